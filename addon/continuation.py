@@ -1,0 +1,162 @@
+"""What the client has received, and how a later leg continues it seamlessly.
+
+`Transcript` records the delivered answer. `continuation_body` turns the original request
+into one that asks the next server to go on from there (assistant prefill, fewer tokens
+left). `ChunkRewriter` makes that server's chunks read as part of the same stream: the
+first leg's id and created, no second role delta, the echoed prefill removed, usage for
+the whole answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+@dataclass
+class LegUsage:
+    server: str
+    model: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class Transcript:
+    role_sent: bool = False
+    content: list[str] = field(default_factory=list)
+    produced: int = 0  # content deltas delivered; llama-server sends one per token
+    id: str | None = None
+    created: int | None = None
+    legs: list[LegUsage] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def begin_leg(self, server: str) -> None:
+        self.legs.append(LegUsage(server))
+
+    def record(self, chunk: dict[str, Any]) -> None:
+        """Account for a chunk that has been written to the client."""
+        if self.id is None:
+            self.id = chunk.get("id")
+            self.created = chunk.get("created")
+        leg = self.legs[-1]
+        leg.model = chunk.get("model", leg.model)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                self.role_sent = True
+            if text := delta.get("content"):
+                self.content.append(text)
+                self.produced += 1
+                leg.completion_tokens += 1
+
+
+def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
+    """The original request, continued from what the client already has."""
+    body = copy.deepcopy(original)
+    delivered = transcript.text
+    if not delivered:
+        return body
+    messages = list(body.get("messages") or [])
+    if messages and messages[-1].get("role") == "assistant":
+        # The client prefilled the answer itself; servers that echo sent it back already.
+        earlier = messages[-1].get("content") or ""
+        prefill = delivered if delivered.startswith(earlier) else earlier + delivered
+        messages[-1] = {**messages[-1], "content": prefill}
+    else:
+        messages.append({"role": "assistant", "content": delivered})
+    body["messages"] = messages
+    for name in TOKEN_LIMIT_FIELDS:
+        limit = body.get(name)
+        if isinstance(limit, int) and limit > 0:
+            body[name] = max(1, limit - transcript.produced)
+    return body
+
+
+def prefill_of(body: dict[str, Any]) -> str:
+    messages = body.get("messages") or []
+    if messages and messages[-1].get("role") == "assistant":
+        return messages[-1].get("content") or ""
+    return ""
+
+
+class ChunkRewriter:
+    """Rewrites one continuation leg's chunks to fit the stream the client is reading.
+
+    `echo` says whether the server repeats the prefill at the start of its answer:
+    True or False when known (probed), None to decide from the first content delta.
+    """
+
+    def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
+        self._transcript = transcript
+        self._echo_left = prefill if echo is not False else ""
+        self._echo_known = echo is not None
+
+    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The chunk as the client should see it, or None when nothing is left of it."""
+        transcript = self._transcript
+        if transcript.id is not None:
+            chunk["id"] = transcript.id
+            chunk["created"] = transcript.created
+        choices = chunk.get("choices")
+        if not choices:
+            if chunk.get("usage"):
+                chunk["usage"] = self._whole_answer_usage(chunk["usage"])
+            return chunk
+        keep = False
+        for choice in choices:
+            delta = choice.get("delta") or {}
+            if delta.get("role") and transcript.role_sent:
+                del delta["role"]
+                if delta.get("content") is None:
+                    delta.pop("content", None)
+            if delta.get("content"):
+                delta["content"] = self._strip_echo(delta["content"])
+                if not delta["content"]:
+                    del delta["content"]
+            if delta or choice.get("finish_reason") is not None:
+                keep = True
+        if chunk.get("usage"):
+            chunk["usage"] = self._whole_answer_usage(chunk["usage"])
+            keep = True
+        return chunk if keep else None
+
+    def _strip_echo(self, text: str) -> str:
+        echo = self._echo_left
+        if not echo:
+            return text
+        if text.startswith(echo):
+            self._echo_left = ""
+            return text[len(echo) :]
+        if echo.startswith(text):
+            self._echo_left = echo[len(text) :]
+            return ""
+        if not self._echo_known:
+            self._echo_left = ""  # this server does not echo after all
+            return text
+        # A probed echoing server that diverged from the prefill: never drop real text.
+        self._echo_left = ""
+        return text
+
+    def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """Usage for the whole answer: every leg's completion tokens, and the prompt the
+        last leg read (the original prompt plus the replayed answer), leg by leg too."""
+        legs = self._transcript.legs
+        legs[-1].prompt_tokens = usage.get("prompt_tokens")
+        legs[-1].completion_tokens = int(usage.get("completion_tokens") or 0)
+        completion = sum(leg.completion_tokens for leg in legs)
+        prompt = int(usage.get("prompt_tokens") or 0)
+        return {
+            **usage,
+            "completion_tokens": completion,
+            "prompt_tokens": prompt,
+            "total_tokens": completion + prompt,
+            "spillover": {"legs": [dataclasses.asdict(leg) for leg in legs]},
+        }

@@ -1,0 +1,158 @@
+"""The splice endpoint: a loopback HTTP server inside mitmproxy's own event loop.
+
+mitmproxy cannot feed an open response from an addon, so spliced flows are re-pointed
+here. Each request carries a token naming its `Splice`; the endpoint runs it and writes
+its one chunked response back to mitmproxy, which streams it to the client. Owning the
+response lets the answer go on from another server after the first one is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+import h11
+
+from addon.splice import SEP, Splice, error_event
+
+TOKEN_HEADER = "x-spillover-splice"
+log = logging.getLogger(__name__)
+
+
+class HttpClientStream:
+    """A chunked HTTP/1.1 response written through h11 to one endpoint connection."""
+
+    def __init__(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+        self._conn = conn
+        self._writer = writer
+        self.started = False
+        self.ended = False
+
+    def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.started = True
+        head = h11.Response(
+            status_code=status, headers=[*headers, ("transfer-encoding", "chunked")]
+        )
+        self._writer.write(self._conn.send(head))
+
+    def write(self, data: bytes) -> None:
+        if data and not self.ended:
+            self._writer.write(self._conn.send(h11.Data(data=data)))
+
+    def end(self, last: bytes = b"") -> None:
+        if self.ended:
+            return
+        self.ended = True
+        # One write: a client that hangs up right after [DONE] must not find the
+        # terminating chunk still unsent (mitmproxy would drop the stored body).
+        tail = self._conn.send(h11.Data(data=last)) if last else b""
+        self._writer.write(tail + self._conn.send(h11.EndOfMessage()))
+
+    def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.started = self.ended = True
+        head = h11.Response(
+            status_code=status, headers=[*headers, ("content-length", str(len(body)))]
+        )
+        self._writer.write(
+            self._conn.send(head) + self._conn.send(h11.Data(data=body))
+            + self._conn.send(h11.EndOfMessage())
+        )  # fmt: skip
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+
+class SpliceEndpoint:
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._waiting: dict[str, Splice] = {}
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def expect(self, splice: Splice) -> str:
+        """Register a splice; the returned token goes in the re-pointed request."""
+        token = secrets.token_hex(16)
+        self._waiting[token] = splice
+        return token
+
+    def forget(self, token: str) -> None:
+        self._waiting.pop(token, None)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request = await _next_request(conn, reader)
+                if request is None:
+                    return
+                token = dict(request.headers).get(TOKEN_HEADER.encode(), b"").decode()
+                splice = self._waiting.pop(token, None)
+                client = HttpClientStream(conn, writer)
+                if splice is None:
+                    client.respond(502, [("content-type", "text/plain")], b"unknown splice\n")
+                else:
+                    await _run_until_client_leaves(splice, client, reader)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (ConnectionError, h11.ProtocolError) as exc:
+            log.debug("splice endpoint connection ended: %r", exc)
+        finally:
+            writer.transport.abort()
+
+
+async def _next_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+    """Read one request and its body (the splice already holds the parsed body)."""
+    request = None
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await reader.read(65536)
+            conn.receive_data(data)
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.EndOfMessage):
+            return request
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+async def _run_until_client_leaves(
+    splice: Splice, client: HttpClientStream, reader: asyncio.StreamReader
+) -> None:
+    """Run the splice; if mitmproxy closes this connection (the client left), cancel it."""
+    run = asyncio.ensure_future(splice.run(client))
+    gone = asyncio.ensure_future(reader.read(1))
+    try:
+        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        splice.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not run.done():
+        splice.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        raise ConnectionError("client left")
+    if (exc := run.exception()) is not None:
+        # Fail safe: whatever broke, the client gets a readable end, not a cut connection.
+        log.error("splice failed", exc_info=exc)
+        if client.started:
+            client.end(error_event(f"spillover failed: {exc!r}") + SEP)
+        else:
+            client.respond(502, [("content-type", "text/plain")], b"spillover failed\n")

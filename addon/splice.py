@@ -1,0 +1,280 @@
+"""One streaming answer, carried across upstream legs onto one client response.
+
+A `Splice` streams from the first server on its ladder. When told to hand off (memory
+pressure, a person) or when the leg fails (connection lost, in-band error, 5xx, garbled
+bytes), it drops that leg at once and asks the next server on the ladder to continue
+from exactly what the client has received, rewriting that server's chunks so the client
+reads one stream with one finish and one [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from addon import sse
+from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.upstream import Upstream, UpstreamError, post
+
+SEP = sse.TERMINATOR
+HOP_BY_HOP = {
+    "connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
+    "upgrade", "proxy-authenticate", "proxy-authorization", "content-encoding",
+}  # fmt: skip
+
+
+class ClientStream(Protocol):
+    """Where the spliced response goes (the endpoint's connection back to mitmproxy)."""
+
+    @property
+    def started(self) -> bool: ...
+
+    def start(self, status: int, headers: list[tuple[str, str]]) -> None: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def end(self, last: bytes = b"") -> None: ...
+
+    def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+@dataclass
+class Handoff:
+    reason: str
+    source: str
+    target: str
+    at_token: int
+    at_char: int
+    decided: float
+    pause_ms: float | None = None
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "decided"}
+
+    def describe(self) -> str:
+        pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
+        return (
+            f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
+            f"({self.reason}){pause}"
+        )
+
+
+def forwardable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+
+
+def _ends_answer(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices")
+    if not choices:
+        return bool(chunk.get("usage"))
+    return any(choice.get("finish_reason") is not None for choice in choices)
+
+
+def error_event(message: str, code: int = 503) -> bytes:
+    """An in-band error in llama-server's own format."""
+    return sse.encode({"error": {"code": code, "message": message, "type": "unavailable_error"}})
+
+
+class Splice:
+    def __init__(
+        self,
+        *,
+        path: str,
+        headers: Sequence[tuple[str, str]],
+        body: dict[str, Any],
+        raw_body: bytes,
+        ladder: Sequence[Upstream],
+        echoes: Callable[[Upstream], bool | None] = lambda _: None,
+        on_handoff: Callable[[Handoff], None] = lambda _: None,
+    ) -> None:
+        self.path = path
+        self.headers = forwardable(headers)
+        self.body = body
+        self.raw_body = raw_body
+        self.ladder = list(ladder)
+        self.transcript = Transcript()
+        self.handoffs: list[Handoff] = []
+        self._echoes = echoes
+        self._on_handoff = on_handoff
+        self._leg_index = 0
+        self._leg_task: asyncio.Future[str | None] | None = None
+        self._pending: tuple[str, float] | None = None
+        self._finishing = False
+        self._cancelled = False
+        self._queued: list[bytes] = []
+
+    @property
+    def current(self) -> Upstream:
+        return self.ladder[self._leg_index]
+
+    @property
+    def can_hand_off(self) -> bool:
+        return (
+            not self._finishing
+            and self._leg_task is not None
+            and not self._leg_task.done()
+            and self._leg_index + 1 < len(self.ladder)
+        )
+
+    def handoff(self, reason: str) -> bool:
+        """Move to the next server now. False when the answer is already complete or
+        there is nowhere to go (then the current leg simply carries on)."""
+        if not self.can_hand_off or self._pending is not None:
+            return False
+        assert self._leg_task is not None
+        self._pending = (reason, time.monotonic())
+        self._leg_task.cancel()
+        return True
+
+    def cancel(self) -> None:
+        """The client went away: drop every leg."""
+        self._cancelled = True
+        if self._leg_task is not None:
+            self._leg_task.cancel()
+
+    async def run(self, client: ClientStream) -> None:
+        while True:
+            self._leg_task = asyncio.ensure_future(self._leg(client))
+            try:
+                failure = await self._leg_task
+                decided = time.monotonic()
+            except asyncio.CancelledError:
+                if self._cancelled or self._pending is None:
+                    raise
+                failure, decided = self._pending
+            finally:
+                self._pending = None
+            if failure is None:
+                return
+            if self._leg_index + 1 >= len(self.ladder):
+                self._give_up(client, failure)
+                return
+            self._announce(client, failure, decided)
+
+    def _announce(self, client: ClientStream, reason: str, decided: float) -> None:
+        source = self.current
+        self._leg_index += 1
+        handoff = Handoff(
+            reason=reason,
+            source=source.url,
+            target=self.current.url,
+            at_token=self.transcript.produced,
+            at_char=len(self.transcript.text),
+            decided=decided,
+        )
+        self.handoffs.append(handoff)
+        note = sse.comment(f"spillover: {handoff.describe()}") + SEP
+        if client.started:
+            client.write(note)
+        else:
+            self._queued.append(note)
+        self._on_handoff(handoff)
+
+    def _give_up(self, client: ClientStream, failure: str) -> None:
+        message = f"no server could continue this answer: {failure}"
+        if client.started:
+            client.end(error_event(message) + SEP)
+        else:
+            body = json.dumps({"error": {"code": 502, "message": message, "type": "server_error"}})
+            client.respond(502, [("content-type", "application/json")], body.encode())
+
+    async def _leg(self, client: ClientStream) -> str | None:
+        """Stream one leg into the client. None when the answer is complete, otherwise
+        why the leg failed."""
+        upstream = self.current
+        first = self._leg_index == 0
+        if first:
+            body = self.raw_body
+            rewriter = None
+        else:
+            continued = continuation_body(self.body, self.transcript)
+            body = json.dumps(continued).encode()
+            rewriter = ChunkRewriter(self.transcript, prefill_of(continued), self._echoes(upstream))
+        try:
+            response = await post(upstream, self.path, body, self.headers)
+        except UpstreamError as exc:
+            return str(exc)
+        try:
+            if response.status != 200:
+                if first and response.status < 500:
+                    # The request itself was refused (bad input): the client gets it as is.
+                    client.respond(
+                        response.status, forwardable(response.headers), await response.read_all()
+                    )
+                    return None
+                return f"HTTP {response.status} from {upstream.url}"
+            if not client.started:
+                client.start(200, forwardable(response.headers))
+            if self._queued:
+                client.write(b"".join(self._queued))
+                self._queued.clear()
+            self.transcript.begin_leg(upstream.url)
+            return await self._pump(client, response.body(), upstream, rewriter)
+        except UpstreamError as exc:
+            return str(exc)
+        finally:
+            response.close()
+
+    async def _pump(self, client, body, upstream: Upstream, rewriter) -> str | None:
+        splitter = sse.EventSplitter()
+        held: list[bytes] = []
+        transcript = self.transcript
+        async for data in body:
+            out: list[bytes] = []
+            for event in splitter.feed(data):
+                if sse.is_comment(event):
+                    out.append(event + SEP)
+                    continue
+                if sse.is_done(event):
+                    client.end(b"".join(out) + b"".join(held) + sse.DONE + SEP)
+                    return None
+                try:
+                    chunk = sse.parse(event)
+                    if not isinstance(chunk, dict):
+                        raise ValueError("not a JSON object")
+                except ValueError as exc:
+                    self._flush(client, out)
+                    return f"garbled event from {upstream.url}: {exc}"
+                if "error" in chunk:
+                    self._flush(client, out)
+                    return f"in-band error from {upstream.url}: {_error_text(chunk['error'])}"
+                if rewriter is not None:
+                    chunk = rewriter.rewrite(chunk)
+                    if chunk is None:
+                        continue
+                    event = sse.encode(chunk)
+                if held or _ends_answer(chunk):
+                    self._finishing = True
+                    held.append(event + SEP)
+                    continue
+                out.append(event + SEP)
+                transcript.record(chunk)
+            if out:
+                self._flush(client, out)
+                await client.drain()
+        if held:
+            # The server finished its answer and died before [DONE]: the answer is whole.
+            client.end(b"".join(held) + sse.DONE + SEP)
+            return None
+        return f"{upstream.url} closed the stream mid-answer"
+
+    def _flush(self, client: ClientStream, out: list[bytes]) -> None:
+        if not out:
+            return
+        client.write(b"".join(out))
+        if self.handoffs and self.handoffs[-1].pause_ms is None:
+            handoff = self.handoffs[-1]
+            handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
+            self._on_handoff(handoff)
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)

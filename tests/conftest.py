@@ -1,0 +1,53 @@
+"""Fixtures for the real test bed: tiny models and llama-server processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from scripts.llamaserver import LlamaServer
+from scripts.tinymodels import ensure_models
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return ensure_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
+def primary(models: dict[str, Path], server_logs: Path) -> Iterator[LlamaServer]:
+    """The shared primary; tests that kill or stall a server start their own."""
+    server = LlamaServer(models["primary"], log_dir=server_logs).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fallback(models: dict[str, Path], server_logs: Path) -> Iterator[LlamaServer]:
+    server = LlamaServer(models["fallback"], log_dir=server_logs).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_server(
+    models: dict[str, Path], server_logs: Path
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Start a private llama-server for one test (stopped at teardown, pass or fail)."""
+    started: list[LlamaServer] = []
+
+    def start(model: str = "primary", **kwargs) -> LlamaServer:
+        server = LlamaServer(models[model], log_dir=server_logs, **kwargs)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,135 @@
+"""The test bed is real: tiny models load in real llama-server processes and stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from scripts.llamaserver import LlamaServer, ServerFailed, running
+from scripts.tinymodels import PRESETS, build_vocab, write_model
+
+PROMPT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
+
+
+def stream_text(server: LlamaServer, max_tokens: int = 48, **extra) -> tuple[str, list]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    chunks = list(
+        client.chat.completions.create(
+            model="any", messages=PROMPT, max_tokens=max_tokens, temperature=0,
+            stream=True, **extra,
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_generator_is_byte_deterministic(tmp_path: Path) -> None:
+    for name, preset in PRESETS.items():
+        first = write_model(tmp_path / "a" / f"{name}.gguf", preset).read_bytes()
+        second = write_model(tmp_path / "b" / f"{name}.gguf", preset).read_bytes()
+        assert first == second, name
+    assert (tmp_path / "a/primary.gguf").read_bytes() != (tmp_path / "a/fallback.gguf").read_bytes()
+
+
+def test_presets_share_one_tokenizer(primary: LlamaServer, fallback: LlamaServer) -> None:
+    text = "The quick river, the old bridge: 42 stones!"
+    ids = [
+        httpx.post(f"{s.url}/tokenize", json={"content": text}).json()["tokens"]
+        for s in (primary, fallback)
+    ]
+    assert ids[0] == ids[1]
+    # Whole words are single tokens, so the vocabulary's prefixes let SentencePiece merge up.
+    assert len(ids[0]) < len(text) / 2
+
+
+def test_both_servers_stream_through_the_openai_sdk(
+    primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    for server in (primary, fallback):
+        text, chunks = stream_text(server)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert len(text.split()) >= 10, text
+        assert text.isprintable(), text
+        props = httpx.get(f"{server.url}/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 1024  # 4096 over 4 slots
+        assert props["model_path"].endswith(("primary.gguf", "fallback.gguf"))
+
+
+def test_greedy_output_is_repeatable(primary: LlamaServer, fallback: LlamaServer) -> None:
+    for server in (primary, fallback):
+        first, _ = stream_text(server)
+        second, _ = stream_text(server)
+        assert first == second
+    assert stream_text(primary)[0] != stream_text(fallback)[0]
+
+
+def test_usage_is_reported_when_asked(primary: LlamaServer) -> None:
+    _, chunks = stream_text(primary, max_tokens=12, stream_options={"include_usage": True})
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12 and usage.prompt_tokens > 5
+
+
+def test_vocabulary_keeps_output_printable() -> None:
+    tokens, _, _, bias = build_vocab()
+    assert len(tokens) == len(set(tokens))
+    assert {t for t, b in zip(tokens, bias, strict=True) if b == 0.0} <= {
+        t for t in tokens if t[0] == "\u2581"
+    }
+
+
+def test_failed_start_shows_the_log(models: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ServerFailed, match="exited"):
+        LlamaServer(broken, log_dir=tmp_path).start()
+
+
+def test_servers_stop_when_the_body_fails(models: dict[str, Path], tmp_path: Path) -> None:
+    server = LlamaServer(models["fallback"], log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="test body failed"), running(server):
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        raise RuntimeError("test body failed")
+    assert server.process is not None and server.process.poll() is not None
+
+
+def test_servers_die_with_a_killed_parent(models: dict[str, Path], tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from pathlib import Path
+            from scripts.llamaserver import LlamaServer
+            server = LlamaServer(Path({str(models["fallback"])!r})).start()
+            Path({str(pid_file)!r}).write_text(str(server.pid))
+            time.sleep(60)
+        """)],
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
