@@ -9,7 +9,6 @@ response lets the answer go on from another server after the first one is droppe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 
@@ -139,15 +138,13 @@ async def _run_until_client_leaves(
     gone = asyncio.ensure_future(reader.read(1))
     try:
         await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        splice.cancel()
-        raise
     finally:
+        client_left = not run.done()
+        if client_left:
+            splice.cancel()
         gone.cancel()
-    if not run.done():
-        splice.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await run
+        await asyncio.wait({run, gone})  # both settled before the connection is reused
+    if client_left:
         raise ConnectionError("client left")
     if (exc := run.exception()) is not None:
         # Fail safe: whatever broke, the client gets a readable end, not a cut connection.

@@ -94,7 +94,10 @@ class Splice:
         on_handoff: Callable[[Handoff], None] = lambda _: None,
     ) -> None:
         self.path = path
-        self.headers = forwardable(headers)
+        # post() sets these itself for each upstream.
+        self.headers = [
+            (k, v) for k, v in forwardable(headers) if k.lower() not in ("host", "accept-encoding")
+        ]
         self.body = body
         self.raw_body = raw_body
         self.ladder = list(ladder)

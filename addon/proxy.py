@@ -1,0 +1,224 @@
+"""The Spillover addon: options, hooks and the `spillover.handoff` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mitmproxy import command, ctx, flow, http
+
+from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
+from addon.probe import echoes_prefill
+from addon.splice import Splice
+from addon.upstream import Upstream
+
+log = logging.getLogger(__name__)
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+CONTROL_PREFIX = "/spillover/"
+MARK = ":twisted_rightwards_arrows:"
+
+
+def streaming_chat_body(request: http.Request) -> dict[str, Any] | None:
+    """The parsed body of a streaming chat completion request, else None."""
+    if request.method != "POST" or request.path.split("?")[0] not in CHAT_PATHS:
+        return None
+    try:
+        body = json.loads(request.content or b"")
+    except ValueError:
+        return None  # the primary answers malformed JSON with its own clear 400
+    if not isinstance(body, dict) or body.get("stream") is not True:
+        return None
+    return body
+
+
+@dataclass
+class _Live:
+    splice: Splice
+    token: str
+    origin: tuple[str, str, int]  # scheme, host, port the request was bound for
+
+
+class Spillover:
+    def __init__(self) -> None:
+        self.endpoint = SpliceEndpoint()
+        self.fallbacks: list[Upstream] = []
+        self.live: dict[str, _Live] = {}
+        self.echoes: dict[Upstream, bool | None] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._probes: set[asyncio.Future[None]] = set()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "spillover_fallbacks", str, "",
+            "Comma-separated fallback servers, in the order to try them "
+            "(e.g. http://127.0.0.1:8082,http://127.0.0.1:8083).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_primary", str, "",
+            "The primary server's URL. Default: wherever mitmproxy sends the request "
+            "(the reverse-proxy target).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_control", bool, True,
+            "Answer /spillover/status and POST /spillover/handoff on the proxy port.",
+        )  # fmt: skip
+
+    def configure(self, updated: set[str]) -> None:
+        if "spillover_fallbacks" in updated:
+            urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
+            self.fallbacks = [Upstream(u) for u in urls if u]
+            if self._loop is not None:
+                self._probe_echoes()
+
+    async def running(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        # A dead primary must not fail the client's connection before the request hook
+        # can send it elsewhere, and stitched answers should be kept in flows and -w files.
+        ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
+        await self.endpoint.start()
+        self._probe_echoes()
+        log.info(
+            "spillover: splicing streaming chat completions; fallbacks: %s",
+            ", ".join(u.url for u in self.fallbacks) or "none",
+        )
+
+    async def done(self) -> None:
+        for live in self.live.values():
+            live.splice.cancel()
+        await self.endpoint.stop()
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.request.path.startswith(CONTROL_PREFIX) and ctx.options.spillover_control:
+            self._control(flow)
+            return
+        if not self.endpoint.running or flow.response is not None:
+            return
+        body = streaming_chat_body(flow.request)
+        if body is None:
+            return
+        request = flow.request
+        origin = (request.scheme, request.host, request.port)
+        primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
+        splice = Splice(
+            path=request.path,
+            headers=[(k, v) for k, v in request.headers.items(multi=True)],
+            body=body,
+            raw_body=request.content or b"",
+            ladder=[primary, *self.fallbacks],
+            echoes=lambda upstream: self.echoes.get(upstream),
+            on_handoff=lambda _: self._record(flow),
+        )
+        token = self.endpoint.expect(splice)
+        self.live[flow.id] = _Live(splice, token, origin)
+        flow.metadata["spillover"] = {"ladder": [u.url for u in splice.ladder], "handoffs": []}
+        request.scheme, request.host, request.port = "http", "127.0.0.1", self.endpoint.port
+        request.headers[TOKEN_HEADER] = token
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        live = self.live.get(flow.id)
+        if live is None or flow.response is None:
+            return
+        flow.response.stream = True
+        # The request has gone to the endpoint: show and record it as sent to the primary.
+        flow.request.scheme, flow.request.host, flow.request.port = live.origin
+        flow.request.headers.pop(TOKEN_HEADER, None)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self.live.pop(flow.id, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        live = self.live.pop(flow.id, None)
+        if live is not None:
+            self.endpoint.forget(live.token)
+            live.splice.cancel()
+
+    @command.command("spillover.handoff")
+    def handoff(self, flows: Sequence[flow.Flow]) -> int:
+        """Hand off the given live streams to their next server now (@all: every one)."""
+        return self._handoff((f.id for f in flows), "requested by spillover.handoff")
+
+    def request_handoff(self, reason: str, servers: Iterable[str] | None = None) -> None:
+        """Thread-safe: hand off every live stream whose current server is in `servers`
+        (every live stream when None). For watchers running in other threads."""
+        if self._loop is None:
+            return
+        wanted = None if servers is None else {s.rstrip("/") for s in servers}
+        self._loop.call_soon_threadsafe(self._handoff_on, reason, wanted)
+
+    def _handoff_on(self, reason: str, servers: set[str] | None) -> int:
+        ids = [
+            flow_id
+            for flow_id, live in self.live.items()
+            if servers is None or live.splice.current.url in servers
+        ]
+        return self._handoff(ids, reason)
+
+    def _handoff(self, flow_ids: Iterable[str], reason: str) -> int:
+        count = 0
+        for flow_id in list(flow_ids):
+            live = self.live.get(flow_id)
+            if live is not None and live.splice.handoff(reason):
+                count += 1
+        return count
+
+    def _record(self, flow: http.HTTPFlow) -> None:
+        live = self.live.get(flow.id)
+        if live is None:
+            return
+        handoffs = live.splice.handoffs
+        flow.metadata["spillover"]["handoffs"] = [h.as_metadata() for h in handoffs]
+        flow.comment = "\n".join(f"spillover: {h.describe()}" for h in handoffs)
+        flow.marked = MARK
+
+    def _control(self, flow: http.HTTPFlow) -> None:
+        route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
+        if route == "handoff" and flow.request.method == "POST":
+            try:
+                args = json.loads(flow.request.content or b"{}")
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                flow.response = _json(400, {"error": "body must be a JSON object"})
+                return
+            reason = str(args.get("reason") or "requested by POST /spillover/handoff")
+            ids = [args["flow"]] if args.get("flow") else list(self.live)
+            flow.response = _json(200, {"handed_off": self._handoff(ids, reason)})
+        elif route == "status" and flow.request.method == "GET":
+            flow.response = _json(200, self.status())
+        else:
+            flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "fallbacks": [u.url for u in self.fallbacks],
+            "echoes_prefill": {u.url: e for u, e in self.echoes.items()},
+            "live": [
+                {
+                    "flow": flow_id,
+                    "server": live.splice.current.url,
+                    "tokens": live.splice.transcript.produced,
+                    "handoffs": len(live.splice.handoffs),
+                }
+                for flow_id, live in self.live.items()
+            ],
+        }
+
+    def _probe_echoes(self) -> None:
+        async def probe(upstream: Upstream) -> None:
+            self.echoes[upstream] = await echoes_prefill(upstream)
+
+        for upstream in self.fallbacks:
+            if self.echoes.get(upstream) is None:
+                task = asyncio.ensure_future(probe(upstream))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+
+def _json(status: int, payload: Any) -> http.Response:
+    return http.Response.make(
+        status, json.dumps(payload).encode(), {"content-type": "application/json"}
+    )
