@@ -66,17 +66,15 @@ class Response:
         when the connection drops first."""
         conn = self._conn
         while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    data = await self._reader.read(READ_SIZE)
-                except (ConnectionError, OSError) as exc:
-                    raise UpstreamError(f"connection lost: {exc!r}") from exc
-                try:
-                    conn.receive_data(data)
-                except h11.RemoteProtocolError as exc:
-                    raise UpstreamError(f"broken HTTP from upstream: {exc}") from exc
-                continue
+            try:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await self._reader.read(READ_SIZE))
+                    continue
+            except (ConnectionError, OSError) as exc:
+                raise UpstreamError(f"connection lost: {exc!r}") from exc
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamError(f"broken HTTP from upstream: {exc}") from exc
             if isinstance(event, h11.Data):
                 yield bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):

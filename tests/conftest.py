@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from scripts.llamaserver import LlamaServer
+from scripts.mitm import Mitmdump
 from scripts.tinymodels import ensure_models
 
 
@@ -51,3 +52,26 @@ def start_server(
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(primary: LlamaServer, fallback: LlamaServer, server_logs: Path) -> Iterator[Mitmdump]:
+    """mitmdump with the addon in front of the shared primary and fallback."""
+    mitm = Mitmdump(primary.url, [fallback.url], log_dir=server_logs).start()
+    yield mitm
+    mitm.stop()
+
+
+@pytest.fixture
+def start_proxy(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
+    """Start a private mitmdump for one test (stopped at teardown)."""
+    started: list[Mitmdump] = []
+
+    def start(primary: str, fallbacks: list[str], **kwargs) -> Mitmdump:
+        mitm = Mitmdump(primary, fallbacks, log_dir=server_logs, **kwargs)
+        started.append(mitm)
+        return mitm.start()
+
+    yield start
+    for mitm in started:
+        mitm.stop()

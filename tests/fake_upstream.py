@@ -1,0 +1,79 @@
+"""A scripted HTTP upstream, for what a real llama-server cannot do on demand: an in-band
+error event, a 503 before any byte, garbage bytes, a stall. Each test that uses it says so."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def sse_chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant", "content": None} if role else {}
+    if content is not None:
+        delta["content"] = content
+    chunk = {
+        "id": "chatcmpl-fake",
+        "created": 1,
+        "model": "fake",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts if p)
+
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+class FakeUpstream:
+    """Answers every request with `script`: (bytes, seconds to wait after sending) pairs,
+    then closes the connection."""
+
+    def __init__(self, script: Sequence[tuple[bytes, float]]) -> None:
+        self.script = list(script)
+        self.requests: list[bytes] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.requests.append(body)
+            try:
+                for part, pause in self.script:
+                    conn.sendall(part)
+                    time.sleep(pause)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._sock.close()

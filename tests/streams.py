@@ -1,0 +1,149 @@
+"""Reading a chat stream the way a strict client would, and what the answer should be."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+PROMPT = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]
+
+
+def chat_body(max_tokens: int = 200, **extra: Any) -> dict[str, Any]:
+    # cache_prompt=false: a prompt half-served from a slot's cache is computed in other
+    # batch shapes, which can flip a near-tie token of these random-weight models.
+    return {
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+        **extra,
+    }
+
+
+@dataclass
+class RawStream:
+    """Everything a stream carried, in order: data chunks, comment notes, [DONE]s."""
+
+    status: int = 0
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    done: int = 0
+    segments: list[str] = field(default_factory=lambda: [""])  # text between notes
+    segment_tokens: list[int] = field(default_factory=lambda: [0])
+    note_at: list[int] = field(default_factory=list)  # chunks received before each note
+
+    @property
+    def text(self) -> str:
+        return "".join(self.segments)
+
+    @property
+    def role_deltas(self) -> int:
+        return sum(1 for c in self.chunks for ch in c["choices"] if ch["delta"].get("role"))
+
+    @property
+    def finishes(self) -> list[str]:
+        return [
+            ch["finish_reason"] for c in self.chunks for ch in c["choices"] if ch["finish_reason"]
+        ]
+
+
+def read_stream(
+    url: str,
+    body: dict[str, Any],
+    on_chunk: Callable[[int], None] | None = None,
+    timeout: float = 60,
+) -> RawStream:
+    """POST a streaming chat request and record every event; `on_chunk(n)` after each chunk."""
+    stream = RawStream()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
+        stream.status = r.status_code
+        if r.status_code != 200:
+            r.read()
+            stream.errors.append(r.json())
+            return stream
+        for line in r.iter_lines():
+            record(stream, line)
+            if line.startswith("data: {") and on_chunk is not None:
+                on_chunk(len(stream.chunks))
+    return stream
+
+
+def record(stream: RawStream, line: str) -> None:
+    if line.startswith(":"):
+        stream.notes.append(line)
+        stream.note_at.append(len(stream.chunks))
+        stream.segments.append("")
+        stream.segment_tokens.append(0)
+    elif line == "data: [DONE]":
+        stream.done += 1
+    elif line.startswith("data: "):
+        payload = json.loads(line[6:])
+        if "error" in payload:
+            stream.errors.append(payload)
+            return
+        stream.chunks.append(payload)
+        for choice in payload["choices"]:
+            if text := choice["delta"].get("content"):
+                stream.segments[-1] += text
+                stream.segment_tokens[-1] += 1
+
+
+def direct_text(server_url: str, max_tokens: int) -> str:
+    body = {**chat_body(max_tokens), "stream": False}
+    reply = httpx.post(f"{server_url}/v1/chat/completions", json=body, timeout=60).json()
+    return reply["choices"][0]["message"]["content"]
+
+
+def continuation(server_url: str, prefill: str, max_tokens: int) -> str:
+    """What `server` writes after `prefill`, asked independently of the addon: the chat
+    template rendered by the server itself, then a raw /completion (which never echoes)."""
+    messages = [*PROMPT, {"role": "assistant", "content": prefill}] if prefill else PROMPT
+    rendered = httpx.post(f"{server_url}/apply-template", json={"messages": messages}).json()
+    reply = httpx.post(
+        f"{server_url}/completion",
+        json={
+            "prompt": rendered["prompt"],
+            "n_predict": max_tokens,
+            "temperature": 0,
+            "cache_prompt": False,
+        },
+        timeout=60,
+    ).json()
+    return reply["content"]
+
+
+def assert_one_clean_stream(stream: RawStream) -> None:
+    assert stream.status == 200
+    assert stream.done == 1, "exactly one [DONE]"
+    assert stream.role_deltas == 1, "exactly one role delta"
+    assert len(stream.finishes) == 1, stream.finishes
+    assert not stream.errors
+    assert len({c["id"] for c in stream.chunks}) == 1, "one id for the whole answer"
+    # llama-server stamps each chunk with the current second; continuation legs carry the
+    # first chunk's stamp.
+    spliced = stream.chunks[stream.note_at[0] :] if stream.note_at else []
+    assert all(c["created"] == stream.chunks[0]["created"] for c in spliced)
+
+
+def assert_exact_splice(
+    stream: RawStream,
+    primary_url: str,
+    fallback_url: str,
+    max_tokens: int,
+    compare_chars: int | None = None,
+) -> None:
+    """The primary's text up to the cut, then exactly the fallback's own continuation
+    (its first `compare_chars` characters, where the server's own batching may vary later
+    tokens)."""
+    before, after = stream.segments
+    assert direct_text(primary_url, max_tokens).startswith(before)
+    left = max_tokens - stream.segment_tokens[0]
+    expected = continuation(fallback_url, before, left)
+    assert after[:compare_chars] == expected[:compare_chars]
+    assert sum(stream.segment_tokens) == max_tokens
