@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from addon import sse
+
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
@@ -33,10 +35,26 @@ class Transcript:
     id: str | None = None
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
+    _unread: list[bytes] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    def record_raw(self, block: bytes) -> None:
+        """Account for a block of events forwarded unread; `settle()` reads them."""
+        self._unread.append(block)
+
+    def settle(self) -> None:
+        for block in self._unread:
+            for event in sse.events(block):
+                try:
+                    chunk = sse.parse(event)
+                except ValueError:
+                    continue  # delivered as the server sent it; nothing to account for
+                if isinstance(chunk, dict):
+                    self.record(chunk)
+        self._unread.clear()
 
     def begin_leg(self, server: str) -> None:
         self.legs.append(LegUsage(server))

@@ -40,7 +40,7 @@ async def echoes_prefill(upstream: Upstream, path: str = "/v1/chat/completions")
         log.info("cannot probe %s for prefill echo: %s", upstream.url, exc)
         return None
     text = ""
-    for event in sse.EventSplitter().feed(raw + sse.TERMINATOR):
+    for event in sse.events(raw):
         try:
             chunk = sse.parse(event)
         except ValueError:

@@ -193,6 +193,8 @@ class Spillover:
             flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
 
     def status(self) -> dict[str, Any]:
+        for live in self.live.values():
+            live.splice.transcript.settle()
         return {
             "fallbacks": [u.url for u in self.fallbacks],
             "echoes_prefill": {u.url: e for u, e in self.echoes.items()},

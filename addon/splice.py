@@ -161,6 +161,7 @@ class Splice:
             self._announce(client, failure, decided)
 
     def _announce(self, client: ClientStream, reason: str, decided: float) -> None:
+        self.transcript.settle()
         source = self.current
         self._leg_index += 1
         handoff = Handoff(
@@ -229,8 +230,18 @@ class Splice:
         held: list[bytes] = []
         transcript = self.transcript
         async for data in body:
+            block = splitter.feed(data)
+            if not block:
+                continue
+            if rewriter is None and not held and sse.only_plain_chunks(block):
+                # The hot path: ordinary tokens from the first leg, forwarded unread.
+                client.write(block)
+                transcript.record_raw(block)
+                await client.drain()
+                continue
+            transcript.settle()
             out: list[bytes] = []
-            for event in splitter.feed(data):
+            for event in sse.events(block):
                 if sse.is_comment(event):
                     out.append(event + SEP)
                     continue

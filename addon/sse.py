@@ -1,8 +1,8 @@
 """Server-sent-event framing for OpenAI-style streams, with cheap byte-level checks.
 
-The primary's events are forwarded untouched, so the hot path looks at bytes only;
-JSON is parsed for the rare events that need it (errors, finish) and for the legs
-whose chunks are rewritten.
+The first leg's events are forwarded untouched, so its hot path looks at whole blocks
+of bytes; JSON is parsed for the rare events that need it (errors, finish, anything
+unusual), for the legs whose chunks are rewritten, and lazily at a handoff.
 """
 
 from __future__ import annotations
@@ -15,21 +15,44 @@ TERMINATOR = b"\n\n"
 
 
 class EventSplitter:
-    """Cuts a byte stream into complete SSE events (without their blank-line terminator)."""
+    """Cuts a byte stream at SSE event boundaries."""
 
     def __init__(self) -> None:
         self._buffer = b""
 
-    def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._buffer + data
+    def feed(self, data: bytes) -> bytes:
+        """Every complete event received so far, as one block (each event ends in a blank
+        line); the incomplete rest is kept for the next call."""
+        buffer = self._buffer + data if self._buffer else data
         if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, self._buffer = buffer.split(TERMINATOR)
-        return [event for event in events if event.strip(b"\n")]
+        end = buffer.rfind(TERMINATOR)
+        if end < 0:
+            self._buffer = buffer
+            return b""
+        self._buffer = buffer[end + 2 :]
+        return buffer[: end + 2]
 
-    @property
-    def pending(self) -> bytes:
-        return self._buffer
+
+def events(block: bytes) -> list[bytes]:
+    """The events of a block, without their terminators."""
+    return [event for event in block.split(TERMINATOR) if event.strip(b"\n")]
+
+
+def only_plain_chunks(block: bytes) -> bool:
+    """True when every event in the block is an ordinary `data: {...}` chunk that neither
+    ends the answer nor reports an error: such a block can be forwarded unread. Anything
+    else (or anything that merely looks like it) goes through the event-by-event path."""
+    n = block.count(TERMINATOR)
+    return (
+        block.count(b"data: {") == n
+        and block.count(b"}\n\n") == n
+        and b'"error"' not in block
+        and b"[DONE]" not in block
+        and b'"finish_reason":"' not in block
+        and b'"finish_reason": "' not in block
+        and b'"usage"' not in block
+    )
 
 
 def is_comment(event: bytes) -> bool:
@@ -54,18 +77,6 @@ def parse(event: bytes) -> Any:
 
 def is_done(event: bytes) -> bool:
     return event == DONE or (data_of(event) or b"").strip() == b"[DONE]"
-
-
-def may_be_error(event: bytes) -> bool:
-    return b'"error"' in event
-
-
-def may_be_finish(event: bytes) -> bool:
-    """True for any event that could end the answer: a finish_reason that is not null,
-    or a usage-only chunk. False positives are settled by parsing."""
-    if b'"finish_reason"' not in event:
-        return b'"usage"' in event
-    return b'"finish_reason":null' not in event and b'"finish_reason": null' not in event
 
 
 def encode(payload: Any) -> bytes:

@@ -45,6 +45,67 @@ class Upstream:
         return urlsplit(self.url).scheme == "https"
 
 
+class ChunkedBody:
+    """Decodes a chunked body in bulk: one pass per read, not one Python event per chunk
+    (llama-server sends every token as its own chunk)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._left = 0  # bytes of chunk data still to come
+        self._crlf = False  # a chunk's closing CRLF still to come
+        self.complete = False
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self._buffer + data if self._buffer else data
+        out: list[bytes] = []
+        pos, end = 0, len(buffer)
+        while pos < end and not self.complete:
+            if self._left:
+                take = min(self._left, end - pos)
+                out.append(buffer[pos : pos + take])
+                pos += take
+                self._left -= take
+                self._crlf = not self._left
+            elif self._crlf:
+                if end - pos < 2:
+                    break
+                if buffer[pos : pos + 2] != b"\r\n":
+                    raise UpstreamError("broken HTTP from upstream: bad chunk terminator")
+                pos += 2
+                self._crlf = False
+            else:
+                eol = buffer.find(b"\r\n", pos)
+                if eol < 0:
+                    if end - pos > 1024:
+                        raise UpstreamError("broken HTTP from upstream: chunk header too long")
+                    break
+                try:
+                    size = int(buffer[pos:eol].split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamError("broken HTTP from upstream: bad chunk size") from None
+                pos = eol + 2
+                if size == 0:
+                    self.complete = True  # trailers, if any, are of no interest
+                self._left = size
+        self._buffer = buffer[pos:]
+        return b"".join(out)
+
+
+class LengthBody:
+    def __init__(self, length: int | None) -> None:
+        self._left = length
+        self.until_close = length is None
+        self.complete = length == 0
+
+    def feed(self, data: bytes) -> bytes:
+        if self._left is None:  # the body ends when the connection does
+            return data
+        data = data[: self._left]
+        self._left -= len(data)
+        self.complete = not self._left
+        return data
+
+
 class Response:
     """A response whose head has arrived; iterate `body()` for the rest."""
 
@@ -55,34 +116,38 @@ class Response:
         writer: asyncio.StreamWriter,
         head: h11.Response,
     ) -> None:
-        self._conn = conn
         self._reader = reader
         self._writer = writer
         self.status = head.status_code
         self.headers = [(k.decode(), v.decode("latin-1")) for k, v in head.headers]
+        fields = {k.lower(): v.lower() for k, v in self.headers}
+        self._initial = conn.trailing_data[0]
+        if "chunked" in fields.get("transfer-encoding", ""):
+            self._decoder: ChunkedBody | LengthBody = ChunkedBody()
+        elif "content-length" in fields:
+            self._decoder = LengthBody(int(fields["content-length"]))
+        elif head.status_code in (204, 304):
+            self._decoder = LengthBody(0)
+        else:
+            self._decoder = LengthBody(None)
 
     async def body(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; ends at the end of the message, raises UpstreamError
         when the connection drops first."""
-        conn = self._conn
+        decoder, data = self._decoder, self._initial
         while True:
+            if data and (out := decoder.feed(data)):
+                yield out
+            if decoder.complete:
+                return
             try:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await self._reader.read(READ_SIZE))
-                    continue
+                data = await self._reader.read(READ_SIZE)
             except (ConnectionError, OSError) as exc:
                 raise UpstreamError(f"connection lost: {exc!r}") from exc
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamError(f"broken HTTP from upstream: {exc}") from exc
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            elif isinstance(event, h11.ConnectionClosed):
+            if not data:
+                if isinstance(decoder, LengthBody) and decoder.until_close:
+                    return
                 raise UpstreamError("connection closed mid-body")
-            else:
-                raise UpstreamError(f"unexpected HTTP event {type(event).__name__}")
 
     async def read_all(self, limit: int = 16 * 1024 * 1024) -> bytes:
         parts: list[bytes] = []

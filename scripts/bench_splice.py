@@ -1,0 +1,179 @@
+"""Benchmark: what the addon costs when nothing goes wrong, and what a handoff costs.
+
+Part 1, side by side in one run against a max-rate stand-in server (scripts/sse_source.py):
+direct, plain mitmdump (streaming) and mitmdump with the addon; throughput with 1 and 32
+streams, and per-chunk latency at 500 chunks/s.
+Part 2, real llama-servers: the handoff pause a client sees (handoff note -> first
+fallback chunk), cold (fresh fallback, empty prompt cache) and warm (prompt cached),
+next to the fallback's own prompt time.
+
+    .venv/bin/python -m scripts.bench_splice [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from scripts.llamaserver import LlamaServer
+from scripts.mitm import Mitmdump
+from scripts.processes import ManagedProcess, running
+from scripts.tinymodels import ensure_models
+
+SENT = re.compile(rb'"sent_ns":(\d+)')
+
+
+class SseSource(ManagedProcess):
+    name = "sse-source"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "scripts.sse_source", str(self.port)]
+
+
+async def read_stream(port: int, body: dict, latencies: list[float] | None = None) -> int:
+    """Stream one answer over a raw socket; count its chunks (and their latencies)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
+    events, tail = 0, b""
+    while True:
+        data = await reader.read(262144)
+        if not data:
+            break
+        now = time.perf_counter_ns()
+        events += data.count(b'"sent_ns":')
+        if latencies is not None:
+            latencies.extend((now - int(m)) / 1e6 for m in SENT.findall(data))
+        tail = (tail + data)[-64:]
+        if b"[DONE]" in tail:
+            break
+    writer.close()
+    return events
+
+
+async def throughput(port: int, streams: int, chunks: int) -> float:
+    body = {"stream": True, "max_tokens": chunks, "messages": []}
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(read_stream(port, body) for _ in range(streams)))
+    elapsed = time.perf_counter() - start
+    assert all(c >= chunks for c in counts), counts
+    return sum(counts) / elapsed
+
+
+async def latency(port: int, chunks: int) -> tuple[float, float]:
+    samples: list[float] = []
+    body = {"stream": True, "max_tokens": chunks, "interval_ms": 2, "messages": []}
+    await read_stream(port, body, samples)
+    samples.sort()
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.95)]
+
+
+def overhead(quick: bool, work: Path) -> None:
+    single, multi, paced = (4000, 500, 300) if quick else (40000, 3000, 1500)
+    source = SseSource(log_dir=work)
+    with running(source):
+        setups = {
+            "direct": None,
+            "plain mitmdump": Mitmdump(source.url, addon=False, log_dir=work),
+            "addon": Mitmdump(source.url, [], log_dir=work),
+        }
+        results: dict[str, tuple[float, float, float, float]] = {}
+        for name, proxy in setups.items():
+            if proxy is not None:
+                proxy.start()
+            port = proxy.port if proxy else source.port
+            try:
+                asyncio.run(throughput(port, 1, 500))  # warm up
+                one = asyncio.run(throughput(port, 1, single))
+                many = asyncio.run(throughput(port, 32, multi))
+                p50, p95 = asyncio.run(latency(port, paced))
+            finally:
+                if proxy is not None:
+                    proxy.stop()
+            results[name] = (one, many, p50, p95)
+    plain = results["plain mitmdump"]
+    print(f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8}")
+    for name, (one, many, p50, p95) in results.items():
+        print(f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f}")
+    addon = results["addon"]
+    print(
+        f"addon / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "
+        f"{addon[1] / plain[1]:.2f}x (32 streams); added p50 latency "
+        f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms"
+    )
+    print(f"plain mitmdump / direct: throughput {plain[0] / results['direct'][0]:.2f}x (1 stream)")
+
+
+def handoff_pause(proxy: Mitmdump, control: httpx.Client, cut: int = 100) -> tuple[float, float]:
+    """(client-side pause, fallback prompt ms) for one handoff after `cut` chunks."""
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a long story about the river."}],
+        "max_tokens": 800,
+        "temperature": 0,
+        "stream": True,
+    }
+    note_at = first_after = None
+    prompt_ms = None
+    received = 0
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                note_at = time.perf_counter()
+            elif line.startswith("data: {"):
+                received += 1
+                if note_at is not None and first_after is None:
+                    first_after = time.perf_counter()
+                chunk = json.loads(line[6:])
+                prompt_ms = chunk.get("timings", {}).get("prompt_ms", prompt_ms)
+                if received == cut:
+                    control.post(f"{proxy.url}/spillover/handoff")
+    assert note_at is not None and first_after is not None and prompt_ms is not None
+    return (first_after - note_at) * 1000, prompt_ms
+
+
+def pauses(quick: bool, work: Path) -> None:
+    models = ensure_models(work / "models")
+    control = httpx.Client()
+    repeats = 3 if quick else 8
+    primary = LlamaServer(models["primary"], log_dir=work)
+    fallback = LlamaServer(models["fallback"], log_dir=work)
+    with running(primary, fallback):
+        proxy = Mitmdump(primary.url, [fallback.url], log_dir=work)
+        with running(proxy):
+            cold = []
+            for _ in range(repeats):
+                fallback.stop()  # a fresh fallback process: nothing in its prompt cache
+                fallback.start()
+                cold.append(handoff_pause(proxy, control))
+            warm = [handoff_pause(proxy, control) for _ in range(repeats)]  # prompt cached
+    print(f"\n{'handoff':8} {'pause ms':>9} {'fallback prompt ms':>19} {'pause - prompt':>15}")
+    for label, samples in (("cold", cold), ("warm", warm)):
+        pause = statistics.median(s[0] for s in samples)
+        prompt = statistics.median(s[1] for s in samples)
+        extra = statistics.median(s[0] - s[1] for s in samples)
+        print(f"{label:8} {pause:9.2f} {prompt:19.2f} {extra:15.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer chunks, for a smoke run")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="spillover-bench-"))
+    overhead(args.quick, work)
+    pauses(args.quick, work)
+
+
+if __name__ == "__main__":
+    main()

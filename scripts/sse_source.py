@@ -1,0 +1,85 @@
+"""A stand-in OpenAI-compatible server that streams llama-server-shaped chunks at a set rate,
+for benchmarks: a real llama-server on two cores cannot produce tokens fast enough to find
+the proxy's own limit. Each chunk carries its send time (perf_counter_ns, which is
+CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
+
+    python -m scripts.sse_source PORT
+    POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+BATCH = 64  # events per socket write when unpaced
+
+
+def chunk(index: int, finish: str | None = None) -> bytes:
+    payload = {
+        "choices": [
+            {
+                "finish_reason": finish,
+                "index": 0,
+                "delta": {} if finish else {"content": f" w{index % 1000}"},
+            }
+        ],
+        "created": 1796000000,
+        "id": "chatcmpl-bench",
+        "model": "bench",
+        "object": "chat.completion.chunk",
+        "sent_ns": time.perf_counter_ns(),
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def framed(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = json.loads(await reader.readexactly(length) or b"{}")
+            if head.startswith(b"GET"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                continue
+            count = int(body.get("max_tokens", 1000))
+            interval = float(body.get("interval_ms", 0)) / 1000
+            writer.write(HEAD)
+            if interval:
+                for i in range(count):
+                    writer.write(framed(chunk(i)))
+                    await writer.drain()
+                    await asyncio.sleep(interval)
+            else:
+                for start in range(0, count, BATCH):
+                    end = min(count, start + BATCH)
+                    # One HTTP chunk per event, as llama-server sends them.
+                    writer.write(b"".join(framed(chunk(i)) for i in range(start, end)))
+                    await writer.drain()
+            tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
+            writer.write(framed(tail) + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(port: int) -> None:
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1])))
