@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from addon.upstream import ChunkedBody
 from scripts.llamaserver import LlamaServer
 from scripts.mitm import Mitmdump
 from scripts.processes import ManagedProcess, running
@@ -47,18 +48,21 @@ async def read_stream(port: int, body: dict, latencies: list[float] | None = Non
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
     )
-    events, tail = 0, b""
-    while True:
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b"chunked" in head.lower(), head
+    body = ChunkedBody()
+    events, pending = 0, b""
+    while not body.complete:
         data = await reader.read(262144)
         if not data:
             break
         now = time.perf_counter_ns()
-        events += data.count(b'"sent_ns":')
+        pending += body.feed(data)
+        end = pending.rfind(b"\n\n") + 2  # count complete events only
+        block, pending = pending[:end], pending[end:]
+        events += block.count(b'"sent_ns":')
         if latencies is not None:
-            latencies.extend((now - int(m)) / 1e6 for m in SENT.findall(data))
-        tail = (tail + data)[-64:]
-        if b"[DONE]" in tail:
-            break
+            latencies.extend((now - int(m)) / 1e6 for m in SENT.findall(block))
     writer.close()
     return events
 

@@ -23,6 +23,7 @@ from tests.streams import (
     RawStream,
     assert_exact_splice,
     assert_one_clean_stream,
+    assert_splice_up_to_ties,
     chat_body,
     continuation,
     direct_text,
@@ -54,7 +55,11 @@ def handoff_after(proxy: Mitmdump, chunks: int):
 
 def test_other_traffic_passes_through_untouched(proxy: Mitmdump, primary: LlamaServer) -> None:
     for path in ("/v1/models", "/props", "/health"):
-        assert httpx.get(proxy.url + path).json() == httpx.get(primary.url + path).json()
+        via, direct = httpx.get(proxy.url + path).json(), httpx.get(primary.url + path).json()
+        if path == "/v1/models":  # llama-server stamps each model list with the current second
+            for entry in via["data"] + direct["data"]:
+                entry.pop("created")
+        assert via == direct, path
     tokenize = {"content": "the river"}
     assert (
         httpx.post(proxy.url + "/tokenize", json=tokenize).json()
@@ -367,10 +372,7 @@ def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
     for stream in streams:
         assert_one_clean_stream(stream)
         assert len(stream.notes) == 1
-        # llama-server is not batch-invariant: a prompt computed while 15 other slots decode
-        # can flip a near-tie token of these random-weight models (seen 27 characters in).
-        # The boundary is what this test is about; single-stream tests compare whole answers.
-        assert_exact_splice(stream, primary.url, fallback.url, 300, compare_chars=12)
+        assert_splice_up_to_ties(stream, primary.url, fallback.url, 300)
 
 
 def test_recording_keeps_the_stitched_answer(

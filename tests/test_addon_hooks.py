@@ -1,0 +1,151 @@
+"""The addon's options, hooks and command, in-process with mitmproxy's test helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from mitmproxy.addons.proxyserver import Proxyserver
+from mitmproxy.test import taddons, tflow
+
+from addon.endpoint import TOKEN_HEADER
+from addon.proxy import Spillover
+from addon.upstream import Upstream
+from tests.fake_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+
+
+def chat_flow(body: dict | bytes, path: str = "/v1/chat/completions", method: str = "POST"):
+    flow = tflow.tflow()
+    flow.request.method = method
+    flow.request.path = path
+    flow.request.host, flow.request.port = "127.0.0.1", 8081
+    flow.request.content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return flow
+
+
+STREAMING = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 9}
+
+
+def test_fallbacks_option_is_the_ladder() -> None:
+    addon = Spillover()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, spillover_fallbacks=" http://a:1/, ,http://b:2")
+        assert addon.fallbacks == [Upstream("http://a:1"), Upstream("http://b:2")]
+
+
+def test_only_streaming_chat_completions_are_spliced() -> None:
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon, Proxyserver()) as tctx:  # Proxyserver owns the options
+            await addon.running()
+            assert tctx.options.connection_strategy == "lazy"
+            assert tctx.options.store_streamed_bodies
+            for untouched in (
+                chat_flow({**STREAMING, "stream": False}),
+                chat_flow(STREAMING, path="/v1/completions"),
+                chat_flow(b"", path="/v1/models", method="GET"),
+                chat_flow(b"{not json"),
+                chat_flow(b"[1, 2]"),
+            ):
+                addon.request(untouched)
+                assert (
+                    untouched.request.port == 8081 and TOKEN_HEADER not in untouched.request.headers
+                )
+            spliced = chat_flow(STREAMING)
+            addon.request(spliced)
+            assert spliced.request.port == addon.endpoint.port
+            assert spliced.request.headers[TOKEN_HEADER]
+            spliced.response = tflow.tresp()
+            addon.responseheaders(spliced)
+            assert spliced.response.stream is True
+            assert spliced.request.port == 8081 and TOKEN_HEADER not in spliced.request.headers
+            await addon.done()
+
+    asyncio.run(run())
+
+
+def test_without_its_endpoint_the_addon_lets_traffic_through() -> None:
+    addon = Spillover()
+    with taddons.context(addon):
+        flow = chat_flow(STREAMING)
+        addon.request(flow)  # running() never happened: no endpoint
+        assert flow.request.port == 8081
+
+
+def test_control_routes_answer_clearly() -> None:
+    addon = Spillover()
+    with taddons.context(addon) as tctx:
+        status = chat_flow(b"", path="/spillover/status", method="GET")
+        addon.request(status)
+        assert (
+            status.response.status_code == 200 and json.loads(status.response.content)["live"] == []
+        )
+        bad = chat_flow(b"[1]", path="/spillover/handoff")
+        addon.request(bad)
+        assert bad.response.status_code == 400
+        unknown = chat_flow(b"", path="/spillover/nothing", method="GET")
+        addon.request(unknown)
+        assert unknown.response.status_code == 404
+        tctx.configure(addon, spillover_control=False)
+        off = chat_flow(b"", path="/spillover/status", method="GET")
+        addon.request(off)
+        assert off.response is None
+
+
+def test_handoff_command_moves_a_live_stream() -> None:
+    """Drives the real endpoint the way mitmproxy would; fake upstreams stall on demand."""
+    primary = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the")), 10)])
+    fallback = FakeUpstream(
+        [
+            (
+                STREAM_HEAD
+                + chunked(sse_chunk(role=True), sse_chunk(" river"), sse_chunk(finish="length"))
+                + chunked(b"data: [DONE]\n\n")
+                + b"0\r\n\r\n",
+                0,
+            )
+        ]
+    )
+
+    async def run() -> bytes:
+        addon = Spillover()
+        with taddons.context(addon, Proxyserver()) as tctx:
+            tctx.configure(addon, spillover_fallbacks=fallback.url)
+            await addon.running()
+            flow = chat_flow(STREAMING)
+            flow.request.port = primary.port
+            addon.request(flow)
+            reader, writer = await asyncio.open_connection("127.0.0.1", addon.endpoint.port)
+            body = flow.request.content
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n%s: %s\r\n"
+                b"content-length: %d\r\n\r\n%s"
+                % (
+                    TOKEN_HEADER.encode(),
+                    flow.request.headers[TOKEN_HEADER].encode(),
+                    len(body),
+                    body,
+                )
+            )
+            received = b""
+            while b" the" not in received:
+                received += await reader.read(65536)
+            assert "spillover.handoff" in tctx.master.commands.commands
+            assert addon.handoff([flow]) == 1
+            assert addon.handoff([flow]) == 0  # one at a time
+            while not received.endswith(b"0\r\n\r\n"):
+                received += await reader.read(65536)
+            assert "handoff" in flow.comment and flow.marked
+            assert flow.metadata["spillover"]["handoffs"][0]["at_token"] == 1
+            writer.close()
+            await addon.done()
+            return received
+
+    received = asyncio.run(run())
+    assert b" river" in received and received.count(b"[DONE]") == 1
+    assert json.loads(fallback.requests[-1])["messages"][-1] == {
+        "role": "assistant",
+        "content": " the",
+    }
+    primary.close()
+    fallback.close()

@@ -1,0 +1,164 @@
+"""The splice's pure parts, without servers: SSE framing, chunked decoding, continuation."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from addon import sse
+from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.upstream import ChunkedBody, LengthBody, UpstreamError
+from tests.fake_upstream import chunked, sse_chunk
+
+STREAM = (
+    sse_chunk(role=True) + sse_chunk(" the") + b": ping\n\n" + sse_chunk(" river")
+    + sse_chunk(finish="length") + b"data: [DONE]\n\n"
+)  # fmt: skip
+
+
+def cuts(data: bytes, points: list[int]) -> list[bytes]:
+    edges = sorted({0, len(data), *(p % (len(data) + 1) for p in points)})
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@given(st.lists(st.integers(min_value=0), max_size=12))
+def test_splitter_finds_the_same_events_however_the_bytes_arrive(points: list[int]) -> None:
+    splitter = sse.EventSplitter()
+    found = [e for part in cuts(STREAM, points) for e in sse.events(splitter.feed(part))]
+    assert found == sse.events(STREAM)
+    assert len(found) == 6 and sse.is_done(found[-1]) and sse.is_comment(found[2])
+
+
+def test_splitter_accepts_crlf_streams() -> None:
+    splitter = sse.EventSplitter()
+    block = splitter.feed(STREAM.replace(b"\n", b"\r\n")[:-3]) + splitter.feed(b"\r\n\r\n"[-3:])
+    assert sse.events(block) == sse.events(STREAM)
+
+
+def test_only_plain_token_chunks_skip_parsing() -> None:
+    plain = sse_chunk(" the") + sse_chunk(" river")
+    assert sse.only_plain_chunks(plain)
+    for unusual in (
+        sse_chunk(role=True) + b": ping\n\n",
+        sse_chunk(finish="stop"),
+        b'data: {"error":{"message":"x"}}\n\n',
+        b"data: [DONE]\n\n",
+        b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n',
+        b"data: {truncated\n\n",
+        b"\xff\xfe garbage\n\n",
+    ):
+        assert not sse.only_plain_chunks(plain + unusual), unusual
+    # Text that merely mentions the markers is escaped inside JSON and stays on the fast path.
+    assert sse.only_plain_chunks(sse_chunk(' the "error" word'))
+
+
+@given(st.lists(st.integers(min_value=0), max_size=20))
+def test_chunked_body_decodes_however_the_bytes_arrive(points: list[int]) -> None:
+    wire = chunked(b"hello ", b"chunked", b" world") + b"0\r\n\r\n"
+    body = ChunkedBody()
+    assert b"".join(body.feed(part) for part in cuts(wire, points)) == b"hello chunked world"
+    assert body.complete
+
+
+def test_chunked_body_rejects_broken_framing() -> None:
+    with pytest.raises(UpstreamError, match="chunk size"):
+        ChunkedBody().feed(b"zz\r\nabc\r\n")
+    with pytest.raises(UpstreamError, match="terminator"):
+        ChunkedBody().feed(b"3\r\nabcXY")
+
+
+def test_length_body_stops_at_its_length() -> None:
+    body = LengthBody(5)
+    assert body.feed(b"abc") == b"abc" and not body.complete
+    assert body.feed(b"defgh") == b"de" and body.complete
+    assert LengthBody(None).until_close
+
+
+def delivered(*texts: str) -> Transcript:
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record_raw(sse_chunk(role=True) + b"".join(sse_chunk(t) for t in texts))
+    transcript.settle()
+    return transcript
+
+
+def test_transcript_reads_forwarded_blocks_lazily() -> None:
+    transcript = delivered(" the", " river")
+    assert transcript.text == " the river" and transcript.produced == 2
+    assert transcript.role_sent and transcript.id == "chatcmpl-fake"
+
+
+def test_continuation_appends_the_delivered_text_and_lowers_limits() -> None:
+    original = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "n_predict": 1}
+    body = continuation_body(original, delivered(" the", " river"))
+    assert body["messages"][-1] == {"role": "assistant", "content": " the river"}
+    assert body["max_tokens"] == 8 and body["n_predict"] == 1
+    assert original["messages"] == [{"role": "user", "content": "hi"}]  # not mutated
+    assert continuation_body(original, delivered()) == original
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [(" the river", "Once the river"), ("Once the river", "Once the river")],
+)
+def test_continuation_extends_a_client_prefill(answer: str, expected: str) -> None:
+    """Servers that echo a prefill sent it to the client already; others did not."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    original = {"messages": messages}
+    body = continuation_body(original, delivered(answer))
+    assert prefill_of(body) == expected and len(body["messages"]) == 2
+
+
+def rewrite_all(rewriter: ChunkRewriter, texts: list[str]) -> str:
+    out = ""
+    for text in texts:
+        chunk = json.loads(sse_chunk(text)[6:])
+        if (rewritten := rewriter.rewrite(chunk)) is not None:
+            out += rewritten["choices"][0]["delta"].get("content", "")
+    return out
+
+
+def test_echo_is_removed_even_when_split_across_deltas() -> None:
+    rewriter = ChunkRewriter(delivered(" the river"), " the river", echo=True)
+    assert rewrite_all(rewriter, [" the", " river bridge", " stone"]) == " bridge stone"
+
+
+def test_no_echo_server_keeps_text_that_looks_like_the_prefill() -> None:
+    rewriter = ChunkRewriter(delivered(" the"), " the", echo=False)
+    assert rewrite_all(rewriter, [" the", " river"]) == " the river"
+
+
+def test_unknown_echo_is_judged_on_the_first_delta() -> None:
+    assert rewrite_all(ChunkRewriter(delivered(" a"), " a", echo=None), [" a b", " c"]) == " b c"
+    assert rewrite_all(ChunkRewriter(delivered(" a"), " a", echo=None), [" x", " a"]) == " x a"
+
+
+def test_rewriter_keeps_the_first_legs_identity_and_one_role() -> None:
+    transcript = delivered(" the")
+    transcript.begin_leg("http://fallback")
+    rewriter = ChunkRewriter(transcript, " the", echo=True)
+    role = json.loads(sse_chunk(role=True)[6:]) | {"id": "other", "created": 99}
+    assert rewriter.rewrite(role) is None
+    chunk = json.loads(sse_chunk(" the river")[6:]) | {"id": "other", "created": 99}
+    rewritten = rewriter.rewrite(chunk)
+    assert rewritten["id"] == "chatcmpl-fake" and rewritten["created"] == 1
+    assert rewritten["choices"][0]["delta"] == {"content": " river"}
+
+
+def test_usage_covers_every_leg() -> None:
+    transcript = delivered(" a", " b", " c")
+    transcript.begin_leg("http://fallback")
+    rewriter = ChunkRewriter(transcript, "", echo=False)
+    usage = {"completion_tokens": 5, "prompt_tokens": 40, "total_tokens": 45}
+    rewritten = rewriter.rewrite({"id": "x", "choices": [], "usage": usage})
+    merged = rewritten["usage"]
+    assert merged["completion_tokens"] == 8 and merged["total_tokens"] == 48
+    legs = merged["spillover"]["legs"]
+    assert [(leg["server"], leg["completion_tokens"]) for leg in legs] == [
+        ("http://primary", 3),
+        ("http://fallback", 5),
+    ]
