@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ class Spillover:
         self.echoes: dict[Upstream, bool | None] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probes: set[asyncio.Future[None]] = set()
+        self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -207,6 +208,7 @@ class Spillover:
                 }
                 for flow_id, live in self.live.items()
             ],
+            **{name: part() for name, part in self.status_parts.items()},
         }
 
     def _probe_echoes(self) -> None:

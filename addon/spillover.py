@@ -4,8 +4,9 @@
         --set spillover_fallbacks=http://127.0.0.1:8082
 
 Streaming chat completions are spliced: they stream from the primary until a handoff
-is asked for (memory pressure, `spillover.handoff`, POST /spillover/handoff) or the
-primary fails, then continue on the next fallback in the same client response.
+is asked for (memory pressure seen by the watcher, `spillover.handoff`, POST
+/spillover/handoff) or the primary fails, then continue on the next fallback in the
+same client response.
 Everything else passes through mitmproxy untouched.
 """
 

@@ -1,0 +1,149 @@
+"""The MemoryWatch addon: runs the memory monitor and turns pressure into handoffs.
+
+Only streams whose current server uses the card under pressure are handed off
+(`watchers.gates`). If the monitor cannot start or dies, traffic flows as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mitmproxy import ctx, exceptions
+from mitmproxy.proxy import mode_specs
+
+from addon.proxy import Spillover
+from watchers.gates import CardMap, parse_card_map
+from watchers.hotplug import DrmEvents, UdevObserver
+from watchers.monitor import MemoryMonitor
+from watchers.pressure import Lines
+from watchers.reading import NotApplicable
+from watchers.sources import ALL, gpu_pids, open_sources
+
+log = logging.getLogger(__name__)
+WATCH_OPTIONS = {
+    "spillover_watch", "spillover_sources", "spillover_sysfs_root", "spillover_proc_root",
+    "spillover_interval_ms", "spillover_used_fraction", "spillover_free_floor_mib",
+    "spillover_step_mib", "spillover_step_free_mib", "spillover_cards",
+}  # fmt: skip
+
+
+class MemoryWatch:
+    def __init__(self, spillover: Spillover) -> None:
+        self.spillover = spillover
+        self.monitor: MemoryMonitor | None = None
+        self.card_map: CardMap | None = None
+        self.missing: dict[str, str] = {}
+        self.drm_events: DrmEvents | None = None
+        self._udev: UdevObserver | None = None
+        self._running = False
+
+    def load(self, loader) -> None:
+        add = loader.add_option
+        add("spillover_watch", bool, True, "Watch GPU and system memory and hand off on pressure.")
+        add("spillover_sources", str, ",".join(ALL), "Memory sources to use, comma-separated.")
+        add("spillover_sysfs_root", str, "/sys", "Where sysfs is (a test tree elsewhere).")
+        add("spillover_proc_root", str, "/proc", "Where procfs is (meminfo, fdinfo, sockets).")
+        add("spillover_interval_ms", int, 20, "Sampling interval of the memory monitor.")
+        add("spillover_used_fraction", float, 0.95, "Hand off when a card is this full.")
+        add("spillover_free_floor_mib", int, 512, "Hand off when a card has this little free.")
+        add("spillover_step_mib", int, 1024, "Hand off on a jump in use this big within 250 ms...")
+        add("spillover_step_free_mib", int, 4096, "...that leaves at most this much free.")
+        add(
+            "spillover_cards", str, "",
+            "Which cards each server uses, e.g. http://127.0.0.1:8081=nvml:0+nvml:1 "
+            "(default: found from the server's process; needed for remote servers).",
+        )  # fmt: skip
+
+    def configure(self, updated: set[str]) -> None:
+        if "spillover_cards" in updated:
+            try:
+                parse_card_map(ctx.options.spillover_cards)
+            except ValueError as exc:
+                raise exceptions.OptionsError(str(exc)) from None
+        if self._running and updated & WATCH_OPTIONS:
+            self._stop()
+            self._start()
+
+    def running(self) -> None:
+        self._running = True
+        self._start()
+
+    def done(self) -> None:
+        self._running = False
+        self._stop()
+
+    def _start(self) -> None:
+        options = ctx.options
+        if not options.spillover_watch:
+            return
+        names = [n.strip() for n in options.spillover_sources.split(",") if n.strip()]
+        sources, self.missing = open_sources(
+            names, Path(options.spillover_sysfs_root), Path(options.spillover_proc_root)
+        )
+        for name, why in self.missing.items():
+            log.info("memory source %s not used: %s", name, why)
+        self.card_map = CardMap(
+            parse_card_map(options.spillover_cards),
+            lambda: gpu_pids(sources),
+            Path(options.spillover_proc_root),
+        )
+        lines = Lines(
+            used_fraction=options.spillover_used_fraction,
+            free_floor_mib=options.spillover_free_floor_mib,
+            step_mib=options.spillover_step_mib,
+            step_free_mib=options.spillover_step_free_mib,
+        )
+        self.monitor = MemoryMonitor(
+            sources, self._on_pressure, lines, interval=options.spillover_interval_ms / 1000
+        )
+        self.drm_events = DrmEvents(
+            rescan=lambda: [s.rescan() for s in sources if hasattr(s, "rescan")],
+            forget=self.monitor.forget,
+            sample_now=self.monitor.wake,
+        )
+        try:
+            self._udev = UdevObserver(self.drm_events)
+            self._udev.start()
+        except NotApplicable as exc:
+            self.missing["udev"] = str(exc)
+        self.monitor.start()
+        self.spillover.status_parts["memory"] = self.status
+
+    def _stop(self) -> None:
+        if self._udev is not None:
+            self._udev.stop()
+            self._udev = None
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+    def servers(self) -> list[str]:
+        """The primary (the reverse-proxy target unless set) and the fallbacks."""
+        found = [u.url for u in self.spillover.fallbacks]
+        if ctx.options.spillover_primary:
+            found.append(ctx.options.spillover_primary.rstrip("/"))
+        for spec in ctx.options.mode:
+            mode = mode_specs.ProxyMode.parse(spec)
+            if isinstance(mode, mode_specs.ReverseMode):
+                found.append(mode.data.rstrip("/"))
+        return found
+
+    def _on_pressure(self, card: str, reason: str) -> None:
+        """Runs on the monitor thread."""
+        assert self.card_map is not None
+        servers = self.card_map.servers_on(card, self.servers())
+        if servers:
+            self.spillover.request_handoff(f"memory pressure on {card}: {reason}", servers)
+        else:
+            log.info("pressure on %s, which none of the servers uses: %s", card, reason)
+
+    def status(self) -> dict:
+        monitor = self.monitor
+        return {
+            **(monitor.status() if monitor else {"alive": False}),
+            "not_used": self.missing,
+            "servers": {
+                s: sorted(self.card_map.cards_of(s)) for s in self.servers()
+            } if self.card_map else {},
+        }  # fmt: skip
