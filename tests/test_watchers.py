@@ -1,0 +1,237 @@
+"""Memory sources, pressure lines, the monitor thread, hotplug and gates, on real files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.memfiles import FakeCard, write_meminfo
+from watchers.fdinfo import FdinfoSource, parse_fdinfo
+from watchers.gates import CardMap, listening_pids, parse_card_map
+from watchers.hotplug import DrmEvents
+from watchers.meminfo import MeminfoSource
+from watchers.monitor import MemoryMonitor
+from watchers.nvml import NvmlSource
+from watchers.pressure import CardState, Lines
+from watchers.reading import CardFailure, NotApplicable, Reading
+from watchers.sources import open_sources
+from watchers.sysfs import SysfsVramSource
+
+
+def test_sysfs_source_reads_real_files(tmp_path: Path) -> None:
+    FakeCard(tmp_path, "card0", total_mib=16384, used_mib=4096)
+    (tmp_path / "class/drm/card0-DP-1").mkdir()  # a connector, not a card
+    (tmp_path / "class/drm/card1/device").mkdir(parents=True)  # a card without VRAM files
+    source = SysfsVramSource(tmp_path)
+    (reading,) = source.read()
+    assert reading.card == "drm:card0"
+    assert (reading.used_mib, reading.total_mib, reading.free_mib) == (4096, 16384, 12288)
+
+
+def test_sysfs_source_reports_a_garbled_card(tmp_path: Path) -> None:
+    card = FakeCard(tmp_path, "card0", total_mib=16384, used_mib=4096)
+    (card.device / "mem_info_vram_used").write_text("garbage\n")
+    (failure,) = SysfsVramSource(tmp_path).read()
+    assert isinstance(failure, CardFailure) and "garbage" in failure.error
+
+
+def test_sources_say_why_they_do_not_apply(tmp_path: Path) -> None:
+    sources, missing = open_sources(
+        ["sysfs", "fdinfo", "meminfo", "nvml", "bogus"], tmp_path, tmp_path
+    )
+    assert sources == []
+    assert "no " in missing["sysfs"] and "class/drm" in missing["sysfs"]
+    assert "meminfo" in missing["meminfo"]
+    assert "unknown source" in missing["bogus"]
+    assert missing["nvml"]  # no NVIDIA driver in CI; the reason names what is missing
+
+
+def test_meminfo_source_reads_real_and_test_files(tmp_path: Path) -> None:
+    (real,) = MeminfoSource().read()
+    assert real.card == "ram" and 0 < real.used_mib < real.total_mib
+    write_meminfo(tmp_path / "meminfo", total_mib=24000, available_mib=6000)
+    (fake,) = MeminfoSource(tmp_path / "meminfo").read()
+    assert (fake.used_mib, fake.total_mib) == (18000, 24000)
+
+
+def test_nvml_at_its_boundary() -> None:
+    """The real nvidia-ml-py: on a machine without the NVIDIA driver it must say so; on one
+    with it, every card reads with a total."""
+    try:
+        source = NvmlSource()
+    except NotApplicable as exc:
+        assert "NVML unavailable" in str(exc) and "driver" in str(exc)
+        return
+    readings = source.read()
+    assert readings and all(r.total_mib and r.total_mib > 0 for r in readings)
+    assert isinstance(source.processes(), dict)
+
+
+def test_fdinfo_counts_device_memory_per_card(tmp_path: Path) -> None:
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    FakeCard(sysfs, "card0", total_mib=8192, used_mib=0, pdev="0000:03:00.0")
+    for pid, fd, client, vram in ((100, 5, 1, 2048), (100, 6, 1, 2048), (200, 3, 2, 1024)):
+        (proc / str(pid) / "fd").mkdir(parents=True, exist_ok=True)
+        (proc / str(pid) / "fdinfo").mkdir(exist_ok=True)
+        os.symlink("/dev/dri/renderD128", proc / str(pid) / "fd" / str(fd))
+        (proc / str(pid) / "fdinfo" / str(fd)).write_text(
+            f"pos:\t0\ndrm-driver:\txe\ndrm-pdev:\t0000:03:00.0\ndrm-client-id:\t{client}\n"
+            f"drm-total-vram0:\t{vram * 1024} KiB\ndrm-resident-vram0:\t{vram * 1024} KiB\n"
+            f"drm-resident-system:\t999 KiB\n"
+        )
+    os.symlink("/dev/null", proc / "200" / "fd" / "9")  # not a DRM fd
+    (reading,) = FdinfoSource(proc, sysfs).read()
+    # client 1 holds two fds on one client id: counted once
+    assert reading.card == "drm:card0" and reading.used_mib == 3072 and reading.total_mib == 8192
+    assert parse_fdinfo("pos:\t0\nflags:\t02\n") is None
+
+
+def reading(used: float, at: float, total: float | None = 16384) -> Reading:
+    return Reading("drm:card0", used, total, at)
+
+
+LINES = Lines(used_fraction=0.95, free_floor_mib=512, step_mib=1024, step_free_mib=4096)
+
+
+def feed(state: CardState, values: list[float], total: float | None = 16384) -> list[str | None]:
+    return [state.observe(reading(v, i * 0.02, total), LINES) for i, v in enumerate(values)]
+
+
+def test_a_step_fires_once_confirmed() -> None:
+    """The spillover report's shape: flat KV cache, then another process loads 5,041 MiB."""
+    fired = feed(CardState("drm:card0"), [10000] * 5 + [15041, 15041, 15041, 15041])
+    assert fired[:6] == [None] * 6
+    assert fired[6] is not None and "step +5,041 MiB" in fired[6] and "1,343 MiB left" in fired[6]
+    assert fired[7:] == [None, None]  # no second fire while still under pressure
+
+
+def test_one_noisy_sample_does_not_fire() -> None:
+    assert feed(CardState("c"), [10000, 10000, 16000, 10000, 10000, 16300, 10000]) == [None] * 7
+
+
+def test_a_step_spread_over_two_samples_is_not_missed() -> None:
+    fired = feed(CardState("c"), [10000, 10000, 10700, 11400, 11400, 11400], total=15000)
+    assert any(f and "step" in f for f in fired)
+
+
+def test_a_step_with_plenty_left_is_not_pressure() -> None:
+    assert feed(CardState("c"), [1000, 1000, 3000, 3000, 3000]) == [None] * 5
+
+
+def test_full_card_fires_and_rearms_only_when_clearly_below() -> None:
+    state = CardState("c")
+    assert feed(state, [15700, 15700])[1] is not None  # 95.8 % used
+    assert state.observe(reading(15500, 1.0), LINES) is None and not state.armed  # 94.6 %
+    state.observe(reading(12000, 1.1), LINES)
+    assert state.armed
+    assert state.observe(reading(15700, 1.2), LINES) is None
+    assert state.observe(reading(15700, 1.22), LINES) is not None
+
+
+def test_a_failed_reading_breaks_a_confirmation() -> None:
+    state = CardState("c")
+    feed(state, [15700])
+    state.fail("read error")
+    assert state.observe(reading(15700, 0.04), LINES) is None and state.error is None
+
+
+def test_monitor_hands_off_on_a_step_written_to_the_tree(tmp_path: Path) -> None:
+    card = FakeCard(tmp_path, "card0", total_mib=16384, used_mib=10000)
+    fired = []
+    done = threading.Event()
+    monitor = MemoryMonitor(
+        [SysfsVramSource(tmp_path)],
+        lambda c, why: (fired.append((c, why, time.monotonic())), done.set()),
+        LINES,
+    ).start()
+    try:
+        time.sleep(0.1)
+        written = time.monotonic()
+        card.set_used(15041)
+        assert done.wait(2)
+        (card_id, why, at) = fired[0]
+        assert card_id == "drm:card0" and "step" in why
+        assert at - written < 0.5
+        status = monitor.status()
+        assert status["cards"]["drm:card0"]["fired"] == 1 and status["alive"]
+    finally:
+        monitor.stop()
+
+
+def test_monitor_survives_a_failing_source_and_reports_it(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, total_mib=1000, available_mib=10)  # would be pressure
+    source = MeminfoSource(meminfo)
+    meminfo.write_text("garbage")
+    fired = []
+    monitor = MemoryMonitor([source], lambda *a: fired.append(a), LINES).start()
+    try:
+        time.sleep(0.2)
+        assert monitor.alive and fired == []
+        assert "meminfo" in monitor.status()["source_errors"]
+    finally:
+        monitor.stop()
+
+
+def test_stale_readings_never_fire(tmp_path: Path) -> None:
+    class Frozen:
+        name = "frozen"
+
+        def read(self) -> list[Reading]:
+            return [Reading("c", 15900, 16384, 0.0)]  # the same old reading every time
+
+    fired = []
+    monitor = MemoryMonitor([Frozen()], lambda *a: fired.append(a), LINES, stale_after=0.5)
+    for _ in range(3):
+        monitor.sample()
+    assert fired == [] and "stale" in monitor.status()["cards"]["c"]["error"]
+
+
+def test_hotplug_events_rescan_forget_and_sample(tmp_path: Path) -> None:
+    """Events go through the same handler the pyudev observer calls (no udev daemon here)."""
+    FakeCard(tmp_path, "card0", total_mib=8192, used_mib=1000)
+    source = SysfsVramSource(tmp_path)
+    monitor = MemoryMonitor([source], lambda *a: None, LINES)
+    events = DrmEvents(source.rescan, monitor.forget, monitor.sample)
+    monitor.sample()
+    assert set(monitor.cards) == {"drm:card0"}
+    FakeCard(tmp_path, "card1", total_mib=8192, used_mib=2000)
+    events.handle("add", "card1")
+    assert set(monitor.cards) == {"drm:card0", "drm:card1"}
+    events.handle("add", "card1-HDMI-A-1")  # connector: ignored
+    assert events.handled == 1
+
+    shutil.rmtree(tmp_path / "class/drm/card1")
+    events.handle("remove", "card1")
+    assert set(monitor.cards) == {"drm:card0"}
+
+
+def test_card_map_parsing() -> None:
+    assert parse_card_map(" http://a:1/=nvml:0+nvml:1 , http://b:2=ram") == {
+        "http://a:1": {"nvml:0", "nvml:1"},
+        "http://b:2": {"ram"},
+    }
+    with pytest.raises(ValueError, match="URL=card"):
+        parse_card_map("http://a:1")
+
+
+def test_gates_find_a_local_server_by_its_port() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        assert os.getpid() in listening_pids(port)
+        cards = CardMap({}, dict)
+        assert cards.cards_of(f"http://127.0.0.1:{port}") == {"ram"}  # on no GPU: system RAM
+        gpu = CardMap({}, lambda: {os.getpid(): {"nvml:1"}})
+        assert gpu.servers_on(
+            "nvml:1", [f"http://127.0.0.1:{port}", "http://gpu-box.invalid:8081"]
+        ) == {f"http://127.0.0.1:{port}"}
+    assert CardMap({"http://gpu-box.invalid:8081": {"nvml:0"}}, dict).cards_of(
+        "http://gpu-box.invalid:8081/"
+    ) == {"nvml:0"}
+    assert CardMap({}, dict).cards_of("http://gpu-box.invalid:8081") == set()
