@@ -17,5 +17,7 @@ if __package__ != "addon":  # loaded by `mitmdump -s` as a script file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from addon.proxy import Spillover
+from addon.watch import MemoryWatch
 
-addons = [Spillover()]
+spillover = Spillover()
+addons = [spillover, MemoryWatch(spillover)]

@@ -1,0 +1,110 @@
+"""Measured memory pressure hands off live streams: a real mitmdump with the addon, real
+llama-servers, and memory readings from real files or from the machine's own RAM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from scripts.llamaserver import LlamaServer
+from tests.memfiles import FakeCard, mem_available_mib, write_meminfo
+from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
+
+LONG = 800
+
+
+def test_a_step_on_the_primarys_card_hands_off(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    proxy = start_proxy(
+        primary.url,
+        [fallback.url],
+        options=[
+            f"spillover_sysfs_root={sysfs}",
+            "spillover_sources=sysfs",
+            f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
+        ],
+    )
+    status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
+    assert status["alive"] and set(status["cards"]) == {"drm:card0", "drm:card1"}
+    assert status["servers"][primary.url] == ["drm:card0"]
+    stream = read_stream(
+        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left" in note
+    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+
+
+def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    sysfs = tmp_path / "sys"
+    FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    card1 = FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    proxy = start_proxy(
+        primary.url,
+        [fallback.url],
+        options=[
+            f"spillover_sysfs_root={sysfs}",
+            "spillover_sources=sysfs",
+            f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
+        ],
+    )
+    stream = read_stream(
+        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card1.set_used(8000)
+    )
+    assert_one_clean_stream(stream)
+    assert stream.notes == []
+    status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
+    assert status["cards"]["drm:card1"]["fired"] == 1
+
+
+def test_real_ram_pressure_hands_off_a_cpu_server(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    """The primary runs on the CPU, so its card is found to be system RAM; the test takes
+    1,000 MiB of real memory with the free-memory line 400 MiB below what was free."""
+    primary = start_server("primary")
+    floor = int(mem_available_mib() - 400)
+    proxy = start_proxy(
+        primary.url,
+        [fallback.url],
+        options=["spillover_sources=meminfo", f"spillover_free_floor_mib={floor}"],
+    )
+    status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
+    assert status["servers"][primary.url] == ["ram"]
+    hog: list[bytes] = []
+    stream = read_stream(
+        proxy.url,
+        chat_body(LONG),
+        on_chunk=lambda n: n == 20 and hog.append(b"\xff" * (1000 << 20)),
+    )
+    hog.clear()
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert "memory pressure on ram:" in note and "MiB free (floor" in note
+    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+
+
+def test_a_broken_watcher_leaves_streams_on_the_primary(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    proc = tmp_path / "proc"
+    write_meminfo(proc / "meminfo", total_mib=24000, available_mib=20000)
+    proxy = start_proxy(
+        primary.url,
+        [fallback.url],
+        options=[f"spillover_proc_root={proc}", "spillover_sources=meminfo"],
+    )
+    (proc / "meminfo").write_text("\x00garbage")  # every read from now on fails
+    stream = read_stream(proxy.url, chat_body(200))
+    assert_one_clean_stream(stream)
+    assert stream.notes == [] and stream.text == read_stream(primary.url, chat_body(200)).text
+    status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
+    assert status["alive"] and "meminfo" in status["source_errors"]
