@@ -65,12 +65,13 @@ def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(
     assert status["cards"]["drm:card1"]["fired"] == 1
 
 
-def test_real_ram_pressure_hands_off_a_cpu_server(
-    start_server, start_proxy, fallback: LlamaServer
-) -> None:
+def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> None:
     """The primary runs on the CPU, so its card is found to be system RAM; the test takes
-    1,000 MiB of real memory with the free-memory line 400 MiB below what was free."""
-    primary = start_server("primary")
+    1,000 MiB of real memory with the free-memory line 400 MiB below what was free. The
+    answer is long (larger slots) so the primary is still writing when the line is crossed
+    (filling 1,000 MiB takes a while)."""
+    primary = start_server("primary", ctx_size=8192, slots=2)
+    fallback = start_server("fallback", ctx_size=8192, slots=2)
     floor = int(mem_available_mib() - 400)
     proxy = start_proxy(
         primary.url,
@@ -82,14 +83,14 @@ def test_real_ram_pressure_hands_off_a_cpu_server(
     hog: list[bytes] = []
     stream = read_stream(
         proxy.url,
-        chat_body(LONG),
-        on_chunk=lambda n: n == 20 and hog.append(b"\xff" * (1000 << 20)),
+        chat_body(3000),
+        on_chunk=lambda n: n == 2 and hog.append(b"\xff" * (1000 << 20)),
     )
     hog.clear()
     assert_one_clean_stream(stream)
     (note,) = stream.notes
     assert "memory pressure on ram:" in note and "MiB free (floor" in note
-    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+    assert_exact_splice(stream, primary.url, fallback.url, 3000)
 
 
 def test_a_broken_watcher_leaves_streams_on_the_primary(

@@ -380,7 +380,7 @@ def test_recording_keeps_the_stitched_answer(
 ) -> None:
     flows_file = tmp_path / "session.flows"
     proxy = start_proxy(primary.url, [fallback.url], options=[f"save_stream_file={flows_file}"])
-    stream = read_stream(proxy.url, chat_body(100), on_chunk=handoff_after(proxy, 20))
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, 20))
     proxy.stop()
     with flows_file.open("rb") as f:
         flows = [
