@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 
 from scripts.llamaserver import LlamaServer
-from tests.memfiles import FakeCard, mem_available_mib, write_meminfo
+from scripts.memfiles import FakeCard, mem_available_mib, write_meminfo
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
 
 LONG = 800

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.memfiles import FakeCard, write_meminfo
+from scripts.memfiles import FakeCard, write_meminfo
 from watchers.fdinfo import FdinfoSource, parse_fdinfo
 from watchers.gates import CardMap, listening_pids, parse_card_map
 from watchers.hotplug import DrmEvents

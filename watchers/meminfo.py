@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from watchers.files import KernelFile
 from watchers.reading import CardFailure, NotApplicable, Reading
 
 CARD = "ram"
@@ -15,16 +16,20 @@ class MeminfoSource:
 
     def __init__(self, path: Path = Path("/proc/meminfo")) -> None:
         self.path = path
-        if not path.exists():
-            raise NotApplicable(f"{path} does not exist (not Linux?)")
+        try:
+            self._file = KernelFile(path)
+        except OSError:
+            raise NotApplicable(f"{path} cannot be read (not Linux?)") from None
 
     def read(self) -> list[Reading | CardFailure]:
-        fields: dict[str, int] = {}
-        for line in self.path.read_text().splitlines():
-            name, _, rest = line.partition(":")
-            if name in ("MemTotal", "MemAvailable"):
-                fields[name] = int(rest.split()[0])  # kB
-        if len(fields) != 2:
-            raise OSError(f"{self.path} lacks MemTotal or MemAvailable")
-        total = fields["MemTotal"] / 1024
-        return [Reading(CARD, total - fields["MemAvailable"] / 1024, total, time.monotonic())]
+        text = self._file.read(512)  # MemTotal, MemFree, MemAvailable lead the file
+        total = _kib(text, b"MemTotal:") / 1024
+        available = _kib(text, b"MemAvailable:") / 1024
+        return [Reading(CARD, total - available, total, time.monotonic())]
+
+
+def _kib(text: bytes, field: bytes) -> int:
+    start = text.find(field)
+    if start < 0:
+        raise ValueError(f"no {field.decode()} in meminfo")
+    return int(text[start + len(field) : text.index(b"kB", start)])

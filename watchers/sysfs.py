@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from watchers.files import KernelFile
 from watchers.reading import MIB, CardFailure, NotApplicable, Reading
 
 
@@ -27,27 +28,31 @@ class SysfsVramSource:
 
     def __init__(self, sysfs_root: Path = Path("/sys")) -> None:
         self.root = sysfs_root
-        self.cards: dict[str, Path] = {}
+        self.cards: dict[str, tuple[KernelFile, float]] = {}  # card -> (used file, total MiB)
         self.rescan()
         if not (sysfs_root / "class" / "drm").is_dir():
             raise NotApplicable(f"no {sysfs_root}/class/drm: this machine shows no DRM devices")
 
     def rescan(self) -> None:
         """Pick up cards that appeared or went (called at start and on udev events)."""
-        self.cards = {
-            card_id(card.name): card / "device"
-            for card in drm_cards(self.root)
-            if (card / "device" / "mem_info_vram_used").exists()
-        }
+        cards: dict[str, tuple[KernelFile, float]] = {}
+        for card in drm_cards(self.root):
+            device = card / "device"
+            try:
+                used = KernelFile(device / "mem_info_vram_used")
+                total = int((device / "mem_info_vram_total").read_text()) / MIB
+            except (OSError, ValueError):
+                continue  # not a card with VRAM counters (or it went away meanwhile)
+            cards[card_id(card.name)] = (used, total)
+        self.cards = cards
 
     def read(self) -> list[Reading | CardFailure]:
         readings: list[Reading | CardFailure] = []
-        for card, device in list(self.cards.items()):
+        for card, (used_file, total) in list(self.cards.items()):
             try:
-                used = int((device / "mem_info_vram_used").read_text())
-                total = int((device / "mem_info_vram_total").read_text())
+                used = int(used_file.read(64))
             except (OSError, ValueError) as exc:
                 readings.append(CardFailure(card, repr(exc)))
                 continue
-            readings.append(Reading(card, used / MIB, total / MIB, time.monotonic()))
+            readings.append(Reading(card, used / MIB, total, time.monotonic()))
         return readings

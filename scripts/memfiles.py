@@ -1,4 +1,5 @@
-"""Trees of real files standing in for sysfs and procfs, written and changed by tests."""
+"""Trees of real files standing in for sysfs and procfs, written and changed by tests,
+the demo and the benchmarks."""
 
 from __future__ import annotations
 
@@ -25,20 +26,28 @@ class FakeCard:
         self.set_used(used_mib)
 
     def set_used(self, used_mib: int) -> None:
-        # Write then rename, as a reader must never see a half-written number.
-        tmp = self.device / ".mem_info_vram_used"
-        tmp.write_text(f"{used_mib * MIB}\n")
-        os.replace(tmp, self.device / "mem_info_vram_used")
+        write_in_place(self.device / "mem_info_vram_used", f"{used_mib * MIB:>20}\n")
 
 
 def write_meminfo(path: Path, total_mib: int, available_mib: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        f"MemTotal:       {total_mib * 1024} kB\nMemFree:        {available_mib * 1024} kB\n"
-        f"MemAvailable:   {available_mib * 1024} kB\nBuffers:        0 kB\n"
+    write_in_place(
+        path,
+        f"MemTotal:       {total_mib * 1024:>12} kB\n"
+        f"MemFree:        {available_mib * 1024:>12} kB\n"
+        f"MemAvailable:   {available_mib * 1024:>12} kB\n"
+        f"Buffers:                   0 kB\n",
     )
-    os.replace(tmp, path)
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """One pwrite of a fixed-width value, as the kernel's files never change inode: the
+    watchers keep them open and re-read from offset 0."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, text.encode(), 0)
+    finally:
+        os.close(fd)
 
 
 def mem_available_mib() -> float:
