@@ -1,6 +1,8 @@
 """Live demo: two real llama-servers on tiny models, mitmdump with the addon, two handoffs.
 
-1. A streaming answer is handed off mid-stream (as memory pressure would do it).
+1. Mid-answer, another process "loads" onto the primary's card: +5,041 MiB written into
+   a sysfs tree of real files that the addon's memory watcher reads (this machine may
+   have no GPU). The watcher sees the step and the answer moves to the fallback.
 2. The primary llama-server is SIGKILLed mid-answer; the fallback finishes the answer.
 
 Text from the primary prints in the terminal's colour, text from the fallback in cyan;
@@ -23,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from scripts.llamaserver import LlamaServer
+from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump
 from scripts.processes import running
 from scripts.tinymodels import ensure_models
@@ -30,9 +33,7 @@ from scripts.tinymodels import ensure_models
 CYAN, YELLOW, DIM, RESET = "\033[36m", "\033[33m", "\033[2m", "\033[0m"
 PROMPT = "Tell me a long story about the river, the bridge and the mountain."
 TOKENS = 600
-PRINT_DELAY = float(
-    __import__("os").environ.get("PD", "0.004")
-)  # seconds per token on screen; the servers run at full speed
+PRINT_DELAY = 0.004  # seconds per token on screen; the servers run at full speed
 
 
 def stream(proxy: Mitmdump, after: int, action: Callable[[], None]) -> queue.Queue:
@@ -94,18 +95,33 @@ def main() -> None:
     primary = LlamaServer(models["primary"], log_dir=work)
     fallback = LlamaServer(models["fallback"], log_dir=work)
     print(f"{DIM}starting llama-server x2 (tiny models, CPU) and mitmdump with the addon{RESET}")
+    sysfs = work / "sys"
+    card = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=1500)
     with running(primary, fallback):
-        proxy = Mitmdump(primary.url, [fallback.url], log_dir=work)
+        proxy = Mitmdump(
+            primary.url,
+            [fallback.url],
+            options=[
+                f"spillover_sysfs_root={sysfs}",
+                "spillover_sources=sysfs",
+                f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
+            ],
+            log_dir=work,
+        )
         with running(proxy):
-            print(f"primary {primary.url}, fallback {fallback.url}, proxy {proxy.url}\n")
+            print(
+                f"primary {primary.url} on card0, fallback {fallback.url} on card1, "
+                f"proxy {proxy.url}\n"
+            )
             model = str(models["primary"])
 
-            print(f"{YELLOW}== 1. handoff mid-answer (what memory pressure triggers) =={RESET}")
-
-            def handoff() -> None:
-                httpx.post(f"{proxy.url}/spillover/handoff", json={"reason": "demo pressure"})
-
-            show(stream(proxy, after=300, action=handoff), model)
+            print(f"{YELLOW}== 1. another process takes 5 GB of the primary's card =={RESET}")
+            print(
+                f"{DIM}card0 (a sysfs tree of real files standing in for a GPU): 10,000 of "
+                f"16,384 MiB used; the step is written after 300 tokens{RESET}"
+            )
+            show(stream(proxy, after=300, action=lambda: card.set_used(15041)), model)
 
             print(f"\n{YELLOW}== 2. the primary llama-server is SIGKILLed mid-answer =={RESET}")
             show(stream(proxy, after=300, action=primary.kill), model)

@@ -1,0 +1,31 @@
+"""The doctor reports what it finds on real files and a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.llamaserver import LlamaServer
+from scripts.memfiles import FakeCard, write_meminfo
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path: Path) -> None:
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    write_meminfo(proc / "meminfo", total_mib=24000, available_mib=20000)
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "scripts.doctor", "--sysfs-root", str(sysfs),
+            "--proc-root", str(proc), "--servers", f"{primary.url},http://127.0.0.1:9",
+            "--cards", f"{primary.url}=drm:card0",
+        ],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "ok  sysfs: 1 card(s)" in out and "drm:card0: 10,000 of 16,384 MiB used" in out
+    assert "ram: 4,000 of 24,000 MiB used" in out
+    assert "--  nvml: NVML unavailable" in out or "ok  nvml" in out
+    assert f"ok  {primary.url}: primary.gguf, 1024 ctx/slot; cards: drm:card0" in out
+    assert "http://127.0.0.1:9: not answering /props" in out
