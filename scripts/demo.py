@@ -26,7 +26,7 @@ import httpx
 
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump
+from scripts.mitm import Mitmdump, watch_sysfs
 from scripts.processes import running
 from scripts.tinymodels import ensure_models
 
@@ -99,15 +99,9 @@ def main() -> None:
     card = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
     FakeCard(sysfs, "card1", total_mib=8192, used_mib=1500)
     with running(primary, fallback):
+        cards = {primary.url: "drm:card0", fallback.url: "drm:card1"}
         proxy = Mitmdump(
-            primary.url,
-            [fallback.url],
-            options=[
-                f"spillover_sysfs_root={sysfs}",
-                "spillover_sources=sysfs",
-                f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
-            ],
-            log_dir=work,
+            primary.url, [fallback.url], options=watch_sysfs(sysfs, cards), log_dir=work
         )
         with running(proxy):
             print(

@@ -12,6 +12,16 @@ REPO = Path(__file__).resolve().parent.parent
 ADDON = REPO / "addon" / "spillover.py"
 
 
+def watch_sysfs(sysfs: Path, cards: dict[str, str]) -> list[str]:
+    """Options that make the addon's watcher read a sysfs tree, with {server URL: card}."""
+    mapping = ",".join(f"{url}={card}" for url, card in cards.items())
+    return [
+        f"spillover_sysfs_root={sysfs}",
+        "spillover_sources=sysfs",
+        f"spillover_cards={mapping}",
+    ]
+
+
 class Mitmdump(ManagedProcess):
     """`mitmdump` in reverse-proxy mode; with `addon=False`, plain mitmdump for comparison."""
 

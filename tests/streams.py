@@ -106,19 +106,20 @@ def direct_text(server_url: str, max_tokens: int) -> str:
 def continuation(server_url: str, prefill: str, max_tokens: int) -> str:
     """What `server` writes after `prefill`, asked independently of the addon: the chat
     template rendered by the server itself, then a raw /completion (which never echoes)."""
+    return complete_after(server_url, prefill, max_tokens)["content"]
+
+
+def complete_after(server_url: str, prefill: str, max_tokens: int, **extra: Any) -> dict:
     messages = [*PROMPT, {"role": "assistant", "content": prefill}] if prefill else PROMPT
     rendered = httpx.post(f"{server_url}/apply-template", json={"messages": messages}).json()
-    reply = httpx.post(
-        f"{server_url}/completion",
-        json={
-            "prompt": rendered["prompt"],
-            "n_predict": max_tokens,
-            "temperature": 0,
-            "cache_prompt": False,
-        },
-        timeout=60,
-    ).json()
-    return reply["content"]
+    body = {
+        "prompt": rendered["prompt"],
+        "n_predict": max_tokens,
+        "temperature": 0,
+        "cache_prompt": False,
+        **extra,
+    }
+    return httpx.post(f"{server_url}/completion", json=body, timeout=60).json()
 
 
 def assert_one_clean_stream(stream: RawStream) -> None:
@@ -155,19 +156,8 @@ def assert_splice_up_to_ties(
     before = stream.segments[0]
     assert direct_text(primary_url, max_tokens).startswith(before)
     assert sum(stream.segment_tokens) == max_tokens
-    messages = [*PROMPT, {"role": "assistant", "content": before}] if before else PROMPT
-    rendered = httpx.post(f"{fallback_url}/apply-template", json={"messages": messages}).json()
-    reply = httpx.post(
-        f"{fallback_url}/completion",
-        json={
-            "prompt": rendered["prompt"],
-            "n_predict": max_tokens - stream.segment_tokens[0],
-            "temperature": 0,
-            "cache_prompt": False,
-            "n_probs": 2,
-        },
-        timeout=60,
-    ).json()
+    left = max_tokens - stream.segment_tokens[0]
+    reply = complete_after(fallback_url, before, left, n_probs=2)
     expected = [step["token"] for step in reply["completion_probabilities"]]
     got = stream.pieces[1]
     for index, (token, step) in enumerate(

@@ -6,29 +6,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard, mem_available_mib, write_meminfo
+from scripts.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
 
 LONG = 800
 
 
-def test_a_step_on_the_primarys_card_hands_off(
-    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
-) -> None:
+@pytest.fixture
+def watched(start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path):
+    """A proxy whose watcher reads a sysfs tree: the primary on card0, the fallback on card1."""
     sysfs = tmp_path / "sys"
-    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
-    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
-    proxy = start_proxy(
-        primary.url,
-        [fallback.url],
-        options=[
-            f"spillover_sysfs_root={sysfs}",
-            "spillover_sources=sysfs",
-            f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
-        ],
+    cards = (
+        FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000),
+        FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000),
     )
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    return start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on)), cards
+
+
+def test_a_step_on_the_primarys_card_hands_off(
+    watched, primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    proxy, (card0, _) = watched
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
     assert status["alive"] and set(status["cards"]) == {"drm:card0", "drm:card1"}
     assert status["servers"][primary.url] == ["drm:card0"]
@@ -41,21 +44,8 @@ def test_a_step_on_the_primarys_card_hands_off(
     assert_exact_splice(stream, primary.url, fallback.url, LONG)
 
 
-def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(
-    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
-) -> None:
-    sysfs = tmp_path / "sys"
-    FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
-    card1 = FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
-    proxy = start_proxy(
-        primary.url,
-        [fallback.url],
-        options=[
-            f"spillover_sysfs_root={sysfs}",
-            "spillover_sources=sysfs",
-            f"spillover_cards={primary.url}=drm:card0,{fallback.url}=drm:card1",
-        ],
-    )
+def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(watched) -> None:
+    proxy, (_, card1) = watched
     stream = read_stream(
         proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card1.set_used(8000)
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 class KernelFile:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._fd = -1
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def read(self, size: int = 4096) -> bytes:
