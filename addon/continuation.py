@@ -98,6 +98,15 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
     return body
 
 
+def token_limit(body: dict[str, Any]) -> int | None:
+    """How many tokens the request may still produce, when it says."""
+    for name in TOKEN_LIMIT_FIELDS:
+        limit = body.get(name)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
+
+
 def prefill_of(body: dict[str, Any]) -> str:
     messages = body.get("messages") or []
     if messages and messages[-1].get("role") == "assistant":

@@ -12,7 +12,7 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
-from addon.probe import echoes_prefill
+from addon.servers import ServerDirectory
 from addon.splice import Splice
 from addon.upstream import Upstream
 
@@ -22,16 +22,18 @@ CONTROL_PREFIX = "/spillover/"
 MARK = ":twisted_rightwards_arrows:"
 
 
-def streaming_chat_body(request: http.Request) -> dict[str, Any] | None:
-    """The parsed body of a streaming chat completion request, else None."""
+def chat_body(request: http.Request) -> dict[str, Any] | None:
+    """The parsed body of a chat completion request (streaming or not), else None."""
     if request.method != "POST" or request.path.split("?")[0] not in CHAT_PATHS:
         return None
     try:
         body = json.loads(request.content or b"")
     except ValueError:
         return None  # the primary answers malformed JSON with its own clear 400
-    if not isinstance(body, dict) or body.get("stream") is not True:
-        return None
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return None  # the primary answers with its own clear error
+    if body.get("n", 1) != 1:
+        return None  # several choices per answer are not spliced: passed through as they are
     return body
 
 
@@ -47,9 +49,8 @@ class Spillover:
         self.endpoint = SpliceEndpoint()
         self.fallbacks: list[Upstream] = []
         self.live: dict[str, _Live] = {}
-        self.echoes: dict[Upstream, bool | None] = {}
+        self.servers = ServerDirectory()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._probes: set[asyncio.Future[None]] = set()
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
 
     def load(self, loader) -> None:
@@ -73,7 +74,7 @@ class Spillover:
             urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
             self.fallbacks = [Upstream(u) for u in urls if u]
             if self._loop is not None:
-                self._probe_echoes()
+                self.servers.learn(self.fallbacks)
 
     async def running(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -81,7 +82,7 @@ class Spillover:
         # can send it elsewhere, and stitched answers should be kept in flows and -w files.
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
-        self._probe_echoes()
+        self.servers.learn(self.fallbacks)
         log.info(
             "spillover: splicing streaming chat completions; fallbacks: %s",
             ", ".join(u.url for u in self.fallbacks) or "none",
@@ -91,6 +92,7 @@ class Spillover:
         for live in self.live.values():
             live.splice.cancel()
         await self.endpoint.stop()
+        await self.servers.close()
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.request.path.startswith(CONTROL_PREFIX) and ctx.options.spillover_control:
@@ -98,7 +100,7 @@ class Spillover:
             return
         if not self.endpoint.running or flow.response is not None:
             return
-        body = streaming_chat_body(flow.request)
+        body = chat_body(flow.request)
         if body is None:
             return
         request = flow.request
@@ -110,7 +112,7 @@ class Spillover:
             body=body,
             raw_body=request.content or b"",
             ladder=[primary, *self.fallbacks],
-            echoes=lambda upstream: self.echoes.get(upstream),
+            servers=self.servers,
             on_handoff=lambda _: self._record(flow),
         )
         token = self.endpoint.expect(splice)
@@ -123,7 +125,7 @@ class Spillover:
         live = self.live.get(flow.id)
         if live is None or flow.response is None:
             return
-        flow.response.stream = True
+        flow.response.stream = live.splice.streaming
         # The request has gone to the endpoint: show and record it as sent to the primary.
         flow.request.scheme, flow.request.host, flow.request.port = live.origin
         flow.request.headers.pop(TOKEN_HEADER, None)
@@ -198,7 +200,7 @@ class Spillover:
             live.splice.transcript.settle()
         return {
             "fallbacks": [u.url for u in self.fallbacks],
-            "echoes_prefill": {u.url: e for u, e in self.echoes.items()},
+            "servers": {u.url: vars(i) for u, i in self.servers.info.items()},
             "live": [
                 {
                     "flow": flow_id,
@@ -210,16 +212,6 @@ class Spillover:
             ],
             **{name: part() for name, part in self.status_parts.items()},
         }
-
-    def _probe_echoes(self) -> None:
-        async def probe(upstream: Upstream) -> None:
-            self.echoes[upstream] = await echoes_prefill(upstream)
-
-        for upstream in self.fallbacks:
-            if self.echoes.get(upstream) is None:
-                task = asyncio.ensure_future(probe(upstream))
-                self._probes.add(task)
-                task.add_done_callback(self._probes.discard)
 
 
 def _json(status: int, payload: Any) -> http.Response:

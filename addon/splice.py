@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from addon import sse
 from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post
 
 SEP = sse.TERMINATOR
@@ -90,7 +91,7 @@ class Splice:
         body: dict[str, Any],
         raw_body: bytes,
         ladder: Sequence[Upstream],
-        echoes: Callable[[Upstream], bool | None] = lambda _: None,
+        servers: ServerDirectory | None = None,
         on_handoff: Callable[[Handoff], None] = lambda _: None,
     ) -> None:
         self.path = path
@@ -103,7 +104,8 @@ class Splice:
         self.ladder = list(ladder)
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
-        self._echoes = echoes
+        self.streaming = body.get("stream") is True
+        self._servers = servers
         self._on_handoff = on_handoff
         self._leg_index = 0
         self._leg_task: asyncio.Future[str | None] | None = None
@@ -198,8 +200,11 @@ class Splice:
             rewriter = None
         else:
             continued = continuation_body(self.body, self.transcript)
+            if (no_room := await self._no_room(upstream, continued)) is not None:
+                return no_room
             body = json.dumps(continued).encode()
-            rewriter = ChunkRewriter(self.transcript, prefill_of(continued), self._echoes(upstream))
+            echoes = self._servers.get(upstream).echoes_prefill if self._servers else None
+            rewriter = ChunkRewriter(self.transcript, prefill_of(continued), echoes)
         try:
             response = await post(upstream, self.path, body, self.headers)
         except UpstreamError as exc:
@@ -213,6 +218,11 @@ class Splice:
                     )
                     return None
                 return f"HTTP {response.status} from {upstream.url}"
+            if not self.streaming:
+                answer = await response.read_all()
+                notes = [("x-spillover-handoff", h.describe()) for h in self.handoffs]
+                client.respond(200, forwardable(response.headers) + notes, answer)
+                return None
             if not client.started:
                 client.start(200, forwardable(response.headers))
             if self._queued:
@@ -277,6 +287,21 @@ class Splice:
             client.end(b"".join(held) + sse.DONE + SEP)
             return None
         return f"{upstream.url} closed the stream mid-answer"
+
+    async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """Why `upstream` cannot take this continuation whole, or None if it can (or
+        cannot tell: then it is tried, and a refusal moves on down the ladder)."""
+        if self._servers is None:
+            return None
+        context = self._servers.get(upstream).slot_context
+        if context is None:
+            return None
+        needed = await self._servers.room_needed(upstream, body)
+        if needed is None or needed <= context:
+            return None
+        return (
+            f"{upstream.url} has {context} tokens per slot, the rest of this answer needs {needed}"
+        )
 
     def _flush(self, client: ClientStream, out: list[bytes]) -> None:
         if not out:

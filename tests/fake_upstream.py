@@ -22,7 +22,8 @@ def sse_chunk(content: str | None = None, finish: str | None = None, role: bool 
         "object": "chat.completion.chunk",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    # Raw UTF-8, as llama-server writes it.
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
 
 
 def chunked(*parts: bytes) -> bytes:
@@ -61,9 +62,12 @@ class FakeUpstream:
                 data += conn.recv(65536)
             head, _, body = data.partition(b"\r\n\r\n")
             length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
             )
             while len(body) < length:
                 body += conn.recv(65536)

@@ -33,7 +33,7 @@ def test_fallbacks_option_is_the_ladder() -> None:
         assert addon.fallbacks == [Upstream("http://a:1"), Upstream("http://b:2")]
 
 
-def test_only_streaming_chat_completions_are_spliced() -> None:
+def test_only_chat_completions_are_spliced() -> None:
     async def run() -> None:
         addon = Spillover()
         with taddons.context(addon, Proxyserver()) as tctx:  # Proxyserver owns the options
@@ -41,7 +41,8 @@ def test_only_streaming_chat_completions_are_spliced() -> None:
             assert tctx.options.connection_strategy == "lazy"
             assert tctx.options.store_streamed_bodies
             for untouched in (
-                chat_flow({**STREAMING, "stream": False}),
+                chat_flow({**STREAMING, "n": 2}),
+                chat_flow({"messages": "not a list", "stream": True}),
                 chat_flow(STREAMING, path="/v1/completions"),
                 chat_flow(b"", path="/v1/models", method="GET"),
                 chat_flow(b"{not json"),
@@ -59,6 +60,11 @@ def test_only_streaming_chat_completions_are_spliced() -> None:
             addon.responseheaders(spliced)
             assert spliced.response.stream is True
             assert spliced.request.port == 8081 and TOKEN_HEADER not in spliced.request.headers
+            whole = chat_flow({**STREAMING, "stream": False})
+            addon.request(whole)
+            whole.response = tflow.tresp()
+            addon.responseheaders(whole)
+            assert whole.request.port == 8081 and whole.response.stream is False
             await addon.done()
 
     asyncio.run(run())

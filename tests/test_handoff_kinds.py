@@ -1,0 +1,125 @@
+"""Handoffs for more kinds of answer: whole (non-streaming) answers, context caps, chains
+of fallbacks, characters split across reads."""
+
+from __future__ import annotations
+
+import httpx
+
+from scripts.llamaserver import LlamaServer
+from scripts.processes import free_port
+from tests.fake_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from tests.streams import (
+    PROMPT,
+    assert_one_clean_stream,
+    chat_body,
+    continuation,
+    direct_text,
+    read_stream,
+)
+
+CONTROL = httpx.Client()
+
+
+def test_a_whole_answer_comes_from_the_fallback_when_the_primary_is_down(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [fallback.url])
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={**chat_body(40), "stream": False})
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["message"]["content"] == direct_text(fallback.url, 40)
+    assert "-> " + fallback.url in reply.headers["x-spillover-handoff"]
+
+
+def test_a_whole_answer_survives_the_primary_dying_before_it_answers(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Fake primary: it accepts the request, stalls, and drops the connection unanswered."""
+    fake = FakeUpstream([(b"", 0.3)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={**chat_body(40), "stream": False})
+    assert reply.json()["choices"][0]["message"]["content"] == direct_text(fallback.url, 40)
+    fake.close()
+
+
+def test_a_fallback_too_small_for_the_rest_is_skipped(start_server, start_proxy) -> None:
+    primary = start_server("primary")
+    small = start_server("fallback", ctx_size=256, slots=1)  # 256 tokens per slot
+    big = start_server("fallback")  # 1,024 per slot
+    proxy = start_proxy(primary.url, [small.url, big.url])
+    stream = read_stream(proxy.url, chat_body(600), on_chunk=lambda n: n == 150 and primary.kill())
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 2
+    assert f"{small.url} has 256 tokens per slot" in stream.notes[1]
+    before, skipped, after = stream.segments
+    assert skipped == ""
+    assert after == continuation(big.url, before, 600 - stream.segment_tokens[0])
+
+
+def test_no_fallback_with_room_ends_with_a_clear_error(start_server, start_proxy) -> None:
+    primary = start_server("primary")
+    small = start_server("fallback", ctx_size=256, slots=1)
+    proxy = start_proxy(primary.url, [small.url])
+    stream = read_stream(proxy.url, chat_body(600), on_chunk=lambda n: n == 150 and primary.kill())
+    assert stream.done == 0 and stream.segment_tokens[0] >= 149
+    (error,) = stream.errors
+    assert "has 256 tokens per slot, the rest of this answer needs" in error["error"]["message"]
+
+
+def test_a_chain_of_fallbacks_stays_one_stream(
+    start_server, start_proxy, primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    second = start_server("primary")  # the last rung: another server
+    proxy = start_proxy(primary.url, [fallback.url, second.url])
+
+    def twice(n: int) -> None:
+        if n in (20, 120):
+            CONTROL.post(f"{proxy.url}/spillover/handoff")
+
+    stream = read_stream(proxy.url, chat_body(800), on_chunk=twice)
+    assert_one_clean_stream(stream)
+    assert [n.split(" -> ")[1].split()[0] for n in stream.notes] == [fallback.url, second.url]
+    first, middle, last = stream.segments
+    assert direct_text(primary.url, 800).startswith(first)
+    assert (
+        middle == continuation(fallback.url, first, 800 - stream.segment_tokens[0])[: len(middle)]
+    )
+    produced = stream.segment_tokens[0] + stream.segment_tokens[1]
+    assert last == continuation(second.url, first + middle, 800 - produced)
+    assert sum(stream.segment_tokens) == 800
+
+
+def test_characters_split_across_reads_arrive_whole(start_proxy, fallback: LlamaServer) -> None:
+    """Fake primary: byte-exact control over where the network splits a character."""
+    wire = STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" café"), sse_chunk(" 日本"))
+    cut = wire.index("日".encode()) + 1  # inside the character
+    fake = FakeUpstream([
+        (wire[:cut], 0.2),
+        (wire[cut:] + chunked(sse_chunk(finish="stop"), b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
+    ])  # fmt: skip
+    proxy = start_proxy(fake.url, [fallback.url])
+    stream = read_stream(proxy.url, chat_body(10))
+    assert_one_clean_stream(stream)
+    assert stream.text == " café 日本" and stream.notes == []
+    fake.close()
+
+
+def test_a_cut_inside_a_character_delivers_only_whole_events(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Fake primary: it dies half-way through a multi-byte character's event."""
+    wire = STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" café"), sse_chunk(" 日本"))
+    cut = wire.index("日".encode()) + 1
+    fake = FakeUpstream([(wire[:cut], 0.2)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    stream = read_stream(proxy.url, chat_body(10))
+    assert_one_clean_stream(stream)
+    assert stream.segments == [" café", continuation(fallback.url, " café", 9)]
+    fake.close()
+
+
+def test_several_choices_are_passed_through_unspliced(proxy, primary: LlamaServer) -> None:
+    body = {"messages": PROMPT, "max_tokens": 5, "n": 2, "stream": False}
+    via = httpx.post(f"{proxy.url}/v1/chat/completions", json=body)
+    direct = httpx.post(f"{primary.url}/v1/chat/completions", json=body)
+    assert via.status_code == direct.status_code
+    assert "x-spillover-handoff" not in via.headers
