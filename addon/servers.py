@@ -95,9 +95,12 @@ class ServerDirectory:
             return None
         return text.startswith(MARKER)
 
-    async def room_needed(self, upstream: Upstream, body: dict[str, Any]) -> int | None:
+    async def room_needed(self, upstream: Upstream, body: dict[str, Any], room: int) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
-        may still write. None when the server cannot tell."""
+        may still write; None when the server cannot tell. When a cheap bound says it fits
+        in `room`, the server is not asked (asking costs two round trips in the pause)."""
+        if (bound := _upper_bound(body)) is not None and bound <= room:
+            return bound
         try:
             rendered = await self.client.post(
                 f"{upstream.url}/apply-template", json={"messages": body.get("messages", [])}
@@ -109,3 +112,17 @@ class ServerDirectory:
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
         return prompt + (token_limit(body) or 0)
+
+
+TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
+
+
+def _upper_bound(body: dict[str, Any]) -> int | None:
+    """At most this many tokens: no token holds less than one byte of text."""
+    total = 0
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is not None and not isinstance(content, str):
+            return None  # parts (images, audio): only the server can count them
+        total += len((content or "").encode()) + TEMPLATE_TOKENS_PER_MESSAGE
+    return total + (token_limit(body) or 0)

@@ -296,7 +296,7 @@ class Splice:
         context = self._servers.get(upstream).slot_context
         if context is None:
             return None
-        needed = await self._servers.room_needed(upstream, body)
+        needed = await self._servers.room_needed(upstream, body, context)
         if needed is None or needed <= context:
             return None
         return (

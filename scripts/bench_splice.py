@@ -151,8 +151,10 @@ def pauses(quick: bool, work: Path) -> None:
     models = ensure_models(work / "models")
     control = httpx.Client()
     repeats = 3 if quick else 8
-    primary = LlamaServer(models["primary"], log_dir=work)
-    fallback = LlamaServer(models["fallback"], log_dir=work)
+    # 4,096-token slots, as real deployments have at least: the addon can then see from
+    # the text's size alone that the rest of the answer fits on the fallback.
+    primary = LlamaServer(models["primary"], ctx_size=16384, log_dir=work)
+    fallback = LlamaServer(models["fallback"], ctx_size=16384, log_dir=work)
     with running(primary, fallback):
         proxy = Mitmdump(primary.url, [fallback.url], log_dir=work)
         with running(proxy):
