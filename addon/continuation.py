@@ -35,6 +35,7 @@ class Transcript:
     id: str | None = None
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
+    other_parts: set[str] = field(default_factory=set)  # delta fields besides plain content
     _unread: list[bytes] = field(default_factory=list)
 
     @property
@@ -74,6 +75,7 @@ class Transcript:
                 self.content.append(text)
                 self.produced += 1
                 leg.completion_tokens += 1
+            self.other_parts.update(k for k in ("tool_calls", "reasoning_content") if delta.get(k))
 
 
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
@@ -104,6 +106,25 @@ def token_limit(body: dict[str, Any]) -> int | None:
         limit = body.get(name)
         if isinstance(limit, int) and limit > 0:
             return limit
+    return None
+
+
+CONSTRAINTS = ("response_format", "grammar", "json_schema")
+
+
+def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
+    """Why another server cannot honestly continue this answer, or None when it can.
+    Before any text went out, any server can simply answer from the start."""
+    if transcript.other_parts:
+        parts = " and ".join(sorted(transcript.other_parts))
+        return f"the answer so far has {parts}, which cannot yet be continued elsewhere"
+    if not transcript.content:
+        return None
+    constraint = next((k for k in CONSTRAINTS if body.get(k)), None)
+    if constraint == "response_format" and body[constraint].get("type") == "text":
+        constraint = None
+    if constraint is not None:
+        return f"the answer is bound by {constraint}, which another server would start over"
     return None
 
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from addon import sse
-from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.continuation import (
+    ChunkRewriter,
+    Transcript,
+    cannot_continue,
+    continuation_body,
+    prefill_of,
+)
 from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post
 
@@ -128,9 +134,13 @@ class Splice:
         )
 
     def handoff(self, reason: str) -> bool:
-        """Move to the next server now. False when the answer is already complete or
-        there is nowhere to go (then the current leg simply carries on)."""
+        """Move to the next server now. False when the answer is already complete, when
+        there is nowhere to go, or when no other server could continue it faithfully:
+        then the current leg simply carries on."""
         if not self.can_hand_off or self._pending is not None:
+            return False
+        self.transcript.settle()
+        if cannot_continue(self.body, self.transcript) is not None:
             return False
         assert self._leg_task is not None
         self._pending = (reason, time.monotonic())
@@ -157,13 +167,16 @@ class Splice:
                 self._pending = None
             if failure is None:
                 return
+            self.transcript.settle()
+            if (why := cannot_continue(self.body, self.transcript)) is not None:
+                self._give_up(client, f"{failure}; {why}")
+                return
             if self._leg_index + 1 >= len(self.ladder):
                 self._give_up(client, failure)
                 return
             self._announce(client, failure, decided)
 
     def _announce(self, client: ClientStream, reason: str, decided: float) -> None:
-        self.transcript.settle()
         source = self.current
         self._leg_index += 1
         handoff = Handoff(

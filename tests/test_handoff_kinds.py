@@ -3,7 +3,11 @@ of fallbacks, characters split across reads."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import openai
+import pytest
 
 from scripts.llamaserver import LlamaServer
 from scripts.processes import free_port
@@ -123,3 +127,45 @@ def test_several_choices_are_passed_through_unspliced(proxy, primary: LlamaServe
     direct = httpx.post(f"{primary.url}/v1/chat/completions", json=body)
     assert via.status_code == direct.status_code
     assert "x-spillover-handoff" not in via.headers
+
+
+def test_a_constrained_answer_is_not_continued_elsewhere(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    """A JSON-bound answer cut mid-way cannot be finished by a server that would start its
+    grammar over: the client is told so in-band, and keeps what it has."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [fallback.url])
+    body = chat_body(400, response_format={"type": "json_object"})
+    counts: list[int] = []
+
+    def act(n: int) -> None:
+        if n == 10:
+            counts.append(CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"])
+        if n == 30:
+            primary.kill()
+
+    stream = read_stream(proxy.url, body, on_chunk=act)
+    assert counts == [0]  # pressure: the primary carries on rather than break the promise
+    assert stream.notes == [] and stream.segment_tokens[0] >= 29
+    (error,) = stream.errors
+    assert "bound by response_format" in error["error"]["message"]
+
+
+def test_a_cut_tool_call_is_refused_clearly(start_proxy, fallback: LlamaServer) -> None:
+    """Fake primary: a real tiny model does not call tools; this one dies inside a call."""
+    delta = {"tool_calls": [{"index": 0, "id": "t1", "type": "function",
+                             "function": {"name": "f", "arguments": '{"a"'}}]}  # fmt: skip
+    chunk = {"id": "c", "created": 1, "model": "fake",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
+    call = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    fake = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True), call), 0.2)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")
+    with (
+        pytest.raises(openai.APIError, match="tool_calls, which cannot yet be continued"),
+        client.chat.completions.stream(model="any", messages=PROMPT, max_tokens=20) as stream,
+    ):
+        for _ in stream:
+            pass
+    fake.close()

@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from addon import sse
-from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.continuation import (
+    ChunkRewriter,
+    Transcript,
+    cannot_continue,
+    continuation_body,
+    prefill_of,
+)
 from addon.upstream import ChunkedBody, LengthBody, UpstreamError
 from tests.fake_upstream import chunked, sse_chunk
 
@@ -162,3 +168,15 @@ def test_usage_covers_every_leg() -> None:
         ("http://primary", 3),
         ("http://fallback", 5),
     ]
+
+
+def test_some_answers_cannot_be_continued_elsewhere() -> None:
+    plain = {"messages": [], "max_tokens": 10}
+    assert cannot_continue(plain, delivered(" the")) is None
+    schema = {**plain, "response_format": {"type": "json_schema", "json_schema": {}}}
+    assert "response_format" in cannot_continue(schema, delivered(" {"))
+    assert cannot_continue(schema, delivered()) is None  # nothing out yet: start over freely
+    assert cannot_continue({**plain, "response_format": {"type": "text"}}, delivered(" a")) is None
+    calling = delivered()
+    calling.record({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {}}]}}]})
+    assert "tool_calls" in cannot_continue(plain, calling)
