@@ -71,7 +71,7 @@ class Transcript:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 self.role_sent = True
-            if text := delta.get("content"):
+            if text := delta.get("content") or choice.get("text"):
                 self.content.append(text)
                 self.produced += 1
                 leg.completion_tokens += 1
@@ -84,20 +84,25 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
     delivered = transcript.text
     if not delivered:
         return body
-    messages = list(body.get("messages") or [])
-    if messages and messages[-1].get("role") == "assistant":
-        # The client prefilled the answer itself; servers that echo sent it back already.
-        earlier = messages[-1].get("content") or ""
-        prefill = delivered if delivered.startswith(earlier) else earlier + delivered
-        messages[-1] = {**messages[-1], "content": prefill}
+    if isinstance(body.get("prompt"), str):
+        body["prompt"] += delivered  # a text completion simply goes on from its prompt
     else:
-        messages.append({"role": "assistant", "content": delivered})
-    body["messages"] = messages
+        body["messages"] = _continued_messages(list(body.get("messages") or []), delivered)
     for name in TOKEN_LIMIT_FIELDS:
         limit = body.get(name)
         if isinstance(limit, int) and limit > 0:
             body[name] = max(1, limit - transcript.produced)
     return body
+
+
+def _continued_messages(messages: list[Any], delivered: str) -> list[Any]:
+    """The messages with the delivered text as the assistant's answer so far (prefill)."""
+    if messages and messages[-1].get("role") == "assistant":
+        # The client prefilled the answer itself; servers that echo sent it back already.
+        earlier = messages[-1].get("content") or ""
+        prefill = delivered if delivered.startswith(earlier) else earlier + delivered
+        return [*messages[:-1], {**messages[-1], "content": prefill}]
+    return [*messages, {"role": "assistant", "content": delivered}]
 
 
 def token_limit(body: dict[str, Any]) -> int | None:
@@ -169,7 +174,7 @@ class ChunkRewriter:
                 delta["content"] = self._strip_echo(delta["content"])
                 if not delta["content"]:
                     del delta["content"]
-            if delta or choice.get("finish_reason") is not None:
+            if delta or choice.get("text") or choice.get("finish_reason") is not None:
                 keep = True
         if chunk.get("usage"):
             chunk["usage"] = self._whole_answer_usage(chunk["usage"])

@@ -17,21 +17,30 @@ from addon.splice import Splice
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
-CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+# Spliced routes, and the field that holds what the answer continues from.
+SPLICED = {
+    "/v1/chat/completions": "messages",
+    "/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/completions": "prompt",
+}
 CONTROL_PREFIX = "/spillover/"
 MARK = ":twisted_rightwards_arrows:"
 
 
-def chat_body(request: http.Request) -> dict[str, Any] | None:
-    """The parsed body of a chat completion request (streaming or not), else None."""
-    if request.method != "POST" or request.path.split("?")[0] not in CHAT_PATHS:
+def spliceable_body(request: http.Request) -> dict[str, Any] | None:
+    """The parsed body of a chat or text completion this addon can carry, else None."""
+    field = SPLICED.get(request.path.split("?")[0])
+    if request.method != "POST" or field is None:
         return None
     try:
         body = json.loads(request.content or b"")
     except ValueError:
         return None  # the primary answers malformed JSON with its own clear 400
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-        return None  # the primary answers with its own clear error
+    if not isinstance(body, dict):
+        return None
+    if not isinstance(body.get(field), list if field == "messages" else str):
+        return None  # malformed, or token-id prompts: passed through as they are
     if body.get("n", 1) != 1:
         return None  # several choices per answer are not spliced: passed through as they are
     return body
@@ -100,7 +109,7 @@ class Spillover:
             return
         if not self.endpoint.running or flow.response is not None:
             return
-        body = chat_body(flow.request)
+        body = spliceable_body(flow.request)
         if body is None:
             return
         request = flow.request

@@ -102,11 +102,14 @@ class ServerDirectory:
         if (bound := _upper_bound(body)) is not None and bound <= room:
             return bound
         try:
-            rendered = await self.client.post(
-                f"{upstream.url}/apply-template", json={"messages": body.get("messages", [])}
-            )
+            prompt_text = body.get("prompt")
+            if not isinstance(prompt_text, str):
+                rendered = await self.client.post(
+                    f"{upstream.url}/apply-template", json={"messages": body.get("messages", [])}
+                )
+                prompt_text = rendered.json()["prompt"]
             tokens = await self.client.post(
-                f"{upstream.url}/tokenize", json={"content": rendered.json()["prompt"]}
+                f"{upstream.url}/tokenize", json={"content": prompt_text}
             )
             prompt = len(tokens.json()["tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -119,6 +122,8 @@ TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
 
 def _upper_bound(body: dict[str, Any]) -> int | None:
     """At most this many tokens: no token holds less than one byte of text."""
+    if isinstance(body.get("prompt"), str):
+        return len(body["prompt"].encode()) + TEMPLATE_TOKENS_PER_MESSAGE + (token_limit(body) or 0)
     total = 0
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None

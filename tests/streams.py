@@ -45,7 +45,7 @@ class RawStream:
 
     @property
     def role_deltas(self) -> int:
-        return sum(1 for c in self.chunks for ch in c["choices"] if ch["delta"].get("role"))
+        return sum(1 for c in self.chunks for ch in c["choices"] if ch.get("delta", {}).get("role"))
 
     @property
     def finishes(self) -> list[str]:
@@ -59,10 +59,11 @@ def read_stream(
     body: dict[str, Any],
     on_chunk: Callable[[int], None] | None = None,
     timeout: float = 60,
+    path: str = "/v1/chat/completions",
 ) -> RawStream:
-    """POST a streaming chat request and record every event; `on_chunk(n)` after each chunk."""
+    """POST a streaming request and record every event; `on_chunk(n)` after each chunk."""
     stream = RawStream()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
+    with httpx.stream("POST", url + path, json=body, timeout=timeout) as r:
         stream.status = r.status_code
         if r.status_code != 200:
             r.read()
@@ -91,7 +92,7 @@ def record(stream: RawStream, line: str) -> None:
             return
         stream.chunks.append(payload)
         for choice in payload["choices"]:
-            if text := choice["delta"].get("content"):
+            if text := choice.get("delta", {}).get("content") or choice.get("text"):
                 stream.segments[-1] += text
                 stream.segment_tokens[-1] += 1
                 stream.pieces[-1].append(text)

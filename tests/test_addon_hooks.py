@@ -43,7 +43,8 @@ def test_only_chat_completions_are_spliced() -> None:
             for untouched in (
                 chat_flow({**STREAMING, "n": 2}),
                 chat_flow({"messages": "not a list", "stream": True}),
-                chat_flow(STREAMING, path="/v1/completions"),
+                chat_flow({"prompt": [1, 2, 3], "stream": True}, path="/v1/completions"),
+                chat_flow(STREAMING, path="/v1/embeddings"),
                 chat_flow(b"", path="/v1/models", method="GET"),
                 chat_flow(b"{not json"),
                 chat_flow(b"[1, 2]"),

@@ -169,3 +169,37 @@ def test_a_cut_tool_call_is_refused_clearly(start_proxy, fallback: LlamaServer) 
         for _ in stream:
             pass
     fake.close()
+
+
+def test_a_text_completion_stream_is_spliced_exactly(
+    proxy, primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    prompt = "The river and the bridge"
+    body = {"prompt": prompt, "max_tokens": 600, "temperature": 0, "stream": True,
+            "cache_prompt": False, "stream_options": {"include_usage": True}}  # fmt: skip
+    stream = read_stream(
+        proxy.url,
+        body,
+        on_chunk=lambda n: n == 20 and CONTROL.post(f"{proxy.url}/spillover/handoff"),
+        path="/v1/completions",
+    )
+    assert stream.done == 1 and len(stream.notes) == 1 and len(stream.finishes) == 1
+    before, after = stream.segments
+    whole = httpx.post(
+        f"{primary.url}/v1/completions", json={**body, "stream": False}, timeout=60
+    ).json()["choices"][0]["text"]
+    assert whole.startswith(before)
+    left = 600 - stream.segment_tokens[0]
+    expected = httpx.post(
+        f"{fallback.url}/completion",
+        json={
+            "prompt": prompt + before,
+            "n_predict": left,
+            "temperature": 0,
+            "cache_prompt": False,
+        },
+        timeout=60,
+    ).json()["content"]
+    assert after == expected
+    assert stream.chunks[-1]["usage"]["completion_tokens"] == 600
+    assert len({c["id"] for c in stream.chunks}) == 1
