@@ -93,7 +93,7 @@ class Spillover:
         await self.endpoint.start()
         self.servers.learn(self.fallbacks)
         log.info(
-            "spillover: splicing streaming chat completions; fallbacks: %s",
+            "spillover: carrying chat and text completions; fallbacks: %s",
             ", ".join(u.url for u in self.fallbacks) or "none",
         )
 
