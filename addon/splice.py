@@ -25,6 +25,7 @@ from addon.continuation import (
     prefill_of,
 )
 from addon.servers import ServerDirectory
+from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post
 
 SEP = sse.TERMINATOR
@@ -250,6 +251,7 @@ class Splice:
 
     async def _pump(self, client, body, upstream: Upstream, rewriter) -> str | None:
         splitter = sse.EventSplitter()
+        calls = ToolCallHold()  # a new leg starts with no call pieces: cut ones are dropped
         held: list[bytes] = []
         transcript = self.transcript
         async for data in body:
@@ -286,8 +288,20 @@ class Splice:
                     if chunk is None:
                         continue
                     event = sse.encode(chunk)
+                if b'"tool_calls"' in event:
+                    envelope = {k: v for k, v in chunk.items() if k != "choices"}
+                    chunk, ready = calls.split(chunk)
+                    if ready:
+                        whole = calls_chunk(envelope, ready)
+                        out.append(sse.encode(whole) + SEP)
+                        transcript.record(whole)
+                    if chunk is None:
+                        continue
+                    event = sse.encode(chunk)
                 if held or _ends_answer(chunk):
                     self._finishing = True
+                    if ready := calls.flush():
+                        held.append(sse.encode(calls_chunk(chunk, ready)) + SEP)
                     held.append(event + SEP)
                     continue
                 out.append(event + SEP)

@@ -41,7 +41,8 @@ def events(block: bytes) -> list[bytes]:
 
 def only_plain_chunks(block: bytes) -> bool:
     """True when every event in the block is an ordinary `data: {...}` chunk that neither
-    ends the answer nor reports an error: such a block can be forwarded unread. Anything
+    ends the answer, reports an error nor carries a piece of a tool call: such a block can
+    be forwarded unread. Anything
     else (or anything that merely looks like it) goes through the event-by-event path."""
     n = block.count(TERMINATOR)
     return (
@@ -52,6 +53,7 @@ def only_plain_chunks(block: bytes) -> bool:
         and b'"finish_reason":"' not in block
         and b'"finish_reason": "' not in block
         and b'"usage"' not in block
+        and b'"tool_calls"' not in block
     )
 
 

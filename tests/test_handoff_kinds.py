@@ -152,19 +152,82 @@ def test_a_constrained_answer_is_not_continued_elsewhere(
     assert "bound by response_format" in error["error"]["message"]
 
 
-def test_a_cut_tool_call_is_refused_clearly(start_proxy, fallback: LlamaServer) -> None:
-    """Fake primary: a real tiny model does not call tools; this one dies inside a call."""
-    delta = {"tool_calls": [{"index": 0, "id": "t1", "type": "function",
-                             "function": {"name": "f", "arguments": '{"a"'}}]}  # fmt: skip
-    chunk = {"id": "c", "created": 1, "model": "fake",
-             "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
-    call = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-    fake = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True), call), 0.2)])
+def tool_piece(index: int, arguments: str, name: str | None = None) -> bytes:
+    piece: dict = {"index": index, "function": {"arguments": arguments}}
+    if name:
+        piece.update(id=f"call-{index}", type="function")
+        piece["function"]["name"] = name
+    choice = {"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}
+    chunk = {"id": "c", "created": 1, "model": "fake", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def tool_stream(client: openai.OpenAI):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    return client.chat.completions.stream(model="any", messages=PROMPT, max_tokens=20, tools=tools)
+
+
+def test_tool_calls_reach_the_client_whole(start_proxy, fallback: LlamaServer) -> None:
+    """Fake primary: the tiny models do not call tools."""
+    fake = FakeUpstream([(
+        STREAM_HEAD + chunked(
+            sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"),
+            tool_piece(0, ": 1}"), sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
+        ) + b"0\r\n\r\n", 0,
+    )])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
-    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")
+    pieces = []
+    with tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices[0].delta.tool_calls:
+                pieces.append(event.chunk.choices[0].delta.tool_calls)
+        final = stream.get_final_completion()
+    assert len(pieces) == 1  # one delta carrying the whole call
+    (call,) = final.choices[0].message.tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "call-0",
+        "f",
+        {"a": 1},
+    )
+    assert final.choices[0].message.content == " ok"
+    fake.close()
+
+
+def test_a_tool_call_cut_by_a_handoff_comes_whole_from_the_fallback(start_proxy) -> None:
+    """Fake primary and fallback: the primary dies inside a call's arguments."""
+    cut = chunked(sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"))
+    primary = FakeUpstream([(STREAM_HEAD + cut, 0.2)])
+    fallback = FakeUpstream([(
+        STREAM_HEAD + chunked(
+            sse_chunk(role=True), tool_piece(0, '{"a": ', name="g"), tool_piece(0, "2}"),
+            sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
+        ) + b"0\r\n\r\n", 0,
+    )])  # fmt: skip
+    proxy = start_proxy(primary.url, [fallback.url])
+    with tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("g", {"a": 2})
+    assert final.choices[0].message.content == " ok"
+    (continued,) = [json.loads(r) for r in fallback.requests if b"Zq7" not in r and r]
+    assert continued["messages"][-1] == {"role": "assistant", "content": " ok"}
+    primary.close()
+    fallback.close()
+
+
+def test_after_a_whole_call_went_out_a_failure_is_told_clearly(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Fake primary: call 0 is complete (call 1 began) when it dies."""
+    fake = FakeUpstream([(
+        STREAM_HEAD + chunked(
+            sse_chunk(role=True), tool_piece(0, "{}", name="f"), tool_piece(1, "{", name="h"),
+        ), 0.2,
+    )])  # fmt: skip
+    proxy = start_proxy(fake.url, [fallback.url])
     with (
         pytest.raises(openai.APIError, match="tool_calls, which cannot yet be continued"),
-        client.chat.completions.stream(model="any", messages=PROMPT, max_tokens=20) as stream,
+        tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream,
     ):
         for _ in stream:
             pass

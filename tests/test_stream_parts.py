@@ -17,6 +17,7 @@ from addon.continuation import (
     continuation_body,
     prefill_of,
 )
+from addon.toolcalls import ToolCallHold
 from addon.upstream import ChunkedBody, LengthBody, UpstreamError
 from tests.fake_upstream import chunked, sse_chunk
 
@@ -180,3 +181,28 @@ def test_some_answers_cannot_be_continued_elsewhere() -> None:
     calling = delivered()
     calling.record({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {}}]}}]})
     assert "tool_calls" in cannot_continue(plain, calling)
+
+
+def test_tool_call_pieces_are_held_until_the_call_is_whole() -> None:
+    hold = ToolCallHold()
+
+    def chunk(*pieces: dict, content: str | None = None) -> dict:
+        delta: dict = {"tool_calls": list(pieces)}
+        if content:
+            delta["content"] = content
+        return {"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+    first = {
+        "index": 0,
+        "id": "a",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"k"'},
+    }
+    rest, ready = hold.split(chunk(first, content=" hi"))
+    assert ready == [] and rest["choices"][0]["delta"] == {"content": " hi"}
+    assert hold.split(chunk({"index": 0, "function": {"arguments": ": 1}"}})) == (None, [])
+    second = {"index": 1, "id": "b", "function": {"name": "g", "arguments": "{}"}}
+    _, ready = hold.split(chunk(second))
+    assert ready == [{"index": 0, "id": "a", "type": "function",
+                      "function": {"name": "f", "arguments": '{"k": 1}'}}]  # fmt: skip
+    assert [c["id"] for c in hold.flush()] == ["b"] and hold.flush() == []
