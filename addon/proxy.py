@@ -12,8 +12,10 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
+from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from addon.metrics import Metrics
 from addon.servers import ServerDirectory
-from addon.splice import Splice
+from addon.splice import Handoff, Splice
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class Spillover:
         self.servers = ServerDirectory()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
+        self.metrics = Metrics(self.status)
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -122,7 +125,7 @@ class Spillover:
             raw_body=request.content or b"",
             ladder=[primary, *self.fallbacks],
             servers=self.servers,
-            on_handoff=lambda _: self._record(flow),
+            on_handoff=lambda handoff: self._record(flow, handoff),
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)
@@ -177,7 +180,8 @@ class Spillover:
                 count += 1
         return count
 
-    def _record(self, flow: http.HTTPFlow) -> None:
+    def _record(self, flow: http.HTTPFlow, handoff: Handoff) -> None:
+        self.metrics.record(handoff)
         live = self.live.get(flow.id)
         if live is None:
             return
@@ -201,6 +205,10 @@ class Spillover:
             flow.response = _json(200, {"handed_off": self._handoff(ids, reason)})
         elif route == "status" and flow.request.method == "GET":
             flow.response = _json(200, self.status())
+        elif route == "metrics" and flow.request.method == "GET":
+            flow.response = http.Response.make(
+                200, self.metrics.render(), {"content-type": METRICS_CONTENT_TYPE}
+            )
         else:
             flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
 

@@ -60,10 +60,17 @@ class Handoff:
     at_token: int
     at_char: int
     decided: float
+    asked: bool  # asked for (memory pressure, a person); else the leg failed
     pause_ms: float | None = None
 
+    @property
+    def kind(self) -> str:
+        if not self.asked:
+            return "failure"
+        return "pressure" if self.reason.startswith("memory pressure") else "requested"
+
     def as_metadata(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "decided"}
+        return {"kind": self.kind} | {k: v for k, v in vars(self).items() if k != "decided"}
 
     def describe(self) -> str:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
@@ -159,11 +166,11 @@ class Splice:
             self._leg_task = asyncio.ensure_future(self._leg(client))
             try:
                 failure = await self._leg_task
-                decided = time.monotonic()
+                decided, asked = time.monotonic(), False
             except asyncio.CancelledError:
                 if self._cancelled or self._pending is None:
                     raise
-                failure, decided = self._pending
+                (failure, decided), asked = self._pending, True
             finally:
                 self._pending = None
             if failure is None:
@@ -175,9 +182,9 @@ class Splice:
             if self._leg_index + 1 >= len(self.ladder):
                 self._give_up(client, failure)
                 return
-            self._announce(client, failure, decided)
+            self._announce(client, failure, decided, asked)
 
-    def _announce(self, client: ClientStream, reason: str, decided: float) -> None:
+    def _announce(self, client: ClientStream, reason: str, decided: float, asked: bool) -> None:
         source = self.current
         self._leg_index += 1
         handoff = Handoff(
@@ -187,6 +194,7 @@ class Splice:
             at_token=self.transcript.produced,
             at_char=len(self.transcript.text),
             decided=decided,
+            asked=asked,
         )
         self.handoffs.append(handoff)
         note = sse.comment(f"spillover: {handoff.describe()}") + SEP

@@ -42,6 +42,11 @@ def test_a_step_on_the_primarys_card_hands_off(
     (note,) = stream.notes
     assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left" in note
     assert_exact_splice(stream, primary.url, fallback.url, LONG)
+    metrics = httpx.get(proxy.url + "/spillover/metrics").text
+    assert 'spillover_handoffs_total{kind="pressure"} 1.0' in metrics
+    assert "spillover_handoff_pause_seconds_count 1.0" in metrics
+    assert 'spillover_card_used_mib{card="drm:card0"} 15041.0' in metrics
+    assert "spillover_live_streams 0.0" in metrics
 
 
 def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(watched) -> None:

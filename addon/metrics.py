@@ -1,0 +1,60 @@
+"""Prometheus metrics, served at GET /spillover/metrics on the proxy port."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from addon.splice import Handoff
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        """`status` is the addon's status: live streams and memory cards are read from it
+        at each scrape."""
+        self.registry = CollectorRegistry()
+        self.handoffs = Counter(
+            "spillover_handoffs", "Handoffs, by what caused them.", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.pause = Histogram(
+            "spillover_handoff_pause_seconds",
+            "From the handoff decision to the next server's first text at the client.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self._status = status
+        self.registry.register(self)
+
+    def record(self, handoff: Handoff) -> None:
+        """Called when a handoff is decided, and again once its pause is known."""
+        if handoff.pause_ms is None:
+            self.handoffs.labels(handoff.kind).inc()
+        else:
+            self.pause.observe(handoff.pause_ms / 1000)
+
+    def collect(self):
+        status = self._status()
+        live = GaugeMetricFamily("spillover_live_streams", "Answers being carried now.")
+        live.add_metric([], len(status.get("live", [])))
+        yield live
+        cards = (status.get("memory") or {}).get("cards") or {}
+        used = GaugeMetricFamily(
+            "spillover_card_used_mib", "Memory used per card.", labels=["card"]
+        )
+        total = GaugeMetricFamily("spillover_card_total_mib", "Memory per card.", labels=["card"])
+        for card, state in cards.items():
+            if state.get("used_mib") is not None:
+                used.add_metric([card], state["used_mib"])
+            if state.get("total_mib") is not None:
+                total.add_metric([card], state["total_mib"])
+        yield used
+        yield total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
