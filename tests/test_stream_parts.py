@@ -206,3 +206,14 @@ def test_tool_call_pieces_are_held_until_the_call_is_whole() -> None:
     assert ready == [{"index": 0, "id": "a", "type": "function",
                       "function": {"name": "f", "arguments": '{"k": 1}'}}]  # fmt: skip
     assert [c["id"] for c in hold.flush()] == ["b"] and hold.flush() == []
+
+
+def test_sampling_parameters_travel_with_the_continuation() -> None:
+    original = {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+        "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n\n"], "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    body = continuation_body(original, delivered(" a", " b"))
+    unchanged = {k: v for k, v in original.items() if k not in ("messages", "max_tokens")}
+    assert {k: body[k] for k in unchanged} == unchanged and body["max_tokens"] == 48
