@@ -3,6 +3,7 @@ llama-servers, and memory readings from real files or from the machine's own RAM
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -104,3 +105,34 @@ def test_a_broken_watcher_leaves_streams_on_the_primary(
     assert stream.notes == [] and stream.text == read_stream(primary.url, chat_body(200)).text
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
     assert status["alive"] and "meminfo" in status["source_errors"]
+
+
+def test_a_fallback_under_pressure_hands_off_again(
+    start_server, start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    last = start_server("primary")  # the third rung, on its own card
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    card1 = FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    FakeCard(sysfs, "card2", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1", last.url: "drm:card2"}
+    proxy = start_proxy(primary.url, [fallback.url, last.url], options=watch_sysfs(sysfs, on))
+
+    def steps(n: int) -> None:
+        if n != 20:
+            return
+        card0.set_used(15041)
+        # Once the answer runs on the fallback, its card fills up too.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            live = httpx.get(proxy.url + "/spillover/status").json()["live"]
+            if live and live[0]["server"] == fallback.url:
+                break
+            time.sleep(0.005)
+        card1.set_used(7800)
+
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=steps)
+    assert_one_clean_stream(stream)
+    assert [note.split(" -> ")[1].split()[0] for note in stream.notes] == [fallback.url, last.url]
+    assert "memory pressure on drm:card1" in stream.notes[1]
+    assert sum(stream.segment_tokens) == LONG
