@@ -150,7 +150,6 @@ class ChunkRewriter:
     def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
         self._transcript = transcript
         self._echo_left = prefill if echo is not False else ""
-        self._echo_known = echo is not None
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None when nothing is left of it."""
@@ -191,10 +190,8 @@ class ChunkRewriter:
         if echo.startswith(text):
             self._echo_left = echo[len(text) :]
             return ""
-        if not self._echo_known:
-            self._echo_left = ""  # this server does not echo after all
-            return text
-        # A probed echoing server that diverged from the prefill: never drop real text.
+        # The answer does not start with the prefill: either this server does not echo
+        # after all, or an echoing one diverged. Either way, never drop real text.
         self._echo_left = ""
         return text
 
