@@ -17,6 +17,7 @@ from typing import Any
 from addon import sse
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+Piece = tuple[int, bytes]  # a token id and the bytes of its text
 
 
 @dataclass
@@ -36,6 +37,9 @@ class Transcript:
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
     other_parts: set[str] = field(default_factory=set)  # delta fields besides plain content
+    # The token ids behind the delivered text, while every leg has reported them.
+    ids: list[int] | None = field(default_factory=list)
+    id_bytes: bytearray = field(default_factory=bytearray)
     _unread: list[bytes] = field(default_factory=list)
 
     @property
@@ -60,8 +64,16 @@ class Transcript:
     def begin_leg(self, server: str) -> None:
         self.legs.append(LegUsage(server))
 
-    def record(self, chunk: dict[str, Any]) -> None:
-        """Account for a chunk that has been written to the client."""
+    def exact_ids(self) -> list[int] | None:
+        """The ids of the delivered answer, when they are known and spell exactly the
+        delivered text (a token whose text a server held back fails this: fail closed)."""
+        if self.ids is None or bytes(self.id_bytes) != self.text.encode():
+            return None
+        return self.ids
+
+    def record(self, chunk: dict[str, Any], pieces: list[Piece] | None = None) -> None:
+        """Account for a chunk that has been written to the client; `pieces` are the ids
+        behind it (taken from its logprobs when not given)."""
         if self.id is None:
             self.id = chunk.get("id")
             self.created = chunk.get("created")
@@ -76,6 +88,35 @@ class Transcript:
                 self.produced += 1
                 leg.completion_tokens += 1
             self.other_parts.update(k for k in ("tool_calls", "reasoning_content") if delta.get(k))
+        self._record_ids(chunk, pieces)
+
+    def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None) -> None:
+        if self.ids is None:
+            return
+        if pieces is None:
+            pieces = take_pieces(chunk, strip=False)
+        if pieces is None:
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                self.ids = None  # text without ids: this answer can only be replayed as text
+            return
+        for token, data in pieces:
+            self.ids.append(token)
+            self.id_bytes += data
+
+
+def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
+    """The token pieces a chat chunk carries in its logprobs (None when it carries none);
+    with `strip`, the logprobs are removed from the chunk."""
+    pieces: list[Piece] | None = None
+    for choice in chunk.get("choices") or ():
+        logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
+    return pieces
+
+
+def _piece(entry: dict[str, Any]) -> Piece:
+    return int(entry["id"]), bytes(entry["bytes"])
 
 
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import command, ctx, flow, http
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -77,6 +78,11 @@ class Spillover:
             "(the reverse-proxy target).",
         )  # fmt: skip
         loader.add_option(
+            "spillover_exact_replay", bool, True,
+            "Continue from the exact token ids when primary and fallback share a tokenizer "
+            "(asks the primary for each token's id; the client does not see them).",
+        )  # fmt: skip
+        loader.add_option(
             "spillover_control", bool, True,
             "Answer /spillover/status and POST /spillover/handoff on the proxy port.",
         )  # fmt: skip
@@ -94,7 +100,7 @@ class Spillover:
         # can send it elsewhere, and stitched answers should be kept in flows and -w files.
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
-        self.servers.learn(self.fallbacks)
+        self.servers.learn([*self._known_primaries(), *self.fallbacks])
         log.info(
             "spillover: carrying chat and text completions; fallbacks: %s",
             ", ".join(u.url for u in self.fallbacks) or "none",
@@ -105,6 +111,17 @@ class Spillover:
             live.splice.cancel()
         await self.endpoint.stop()
         await self.servers.close()
+
+    def _known_primaries(self) -> list[Upstream]:
+        if ctx.options.spillover_primary:
+            return [Upstream(ctx.options.spillover_primary.rstrip("/"))]
+        targets = []
+        for spec in ctx.options.mode:
+            mode = ProxyMode.parse(spec)
+            if isinstance(mode, ReverseMode):
+                host, port = mode.address
+                targets.append(Upstream(f"{mode.scheme}://{host}:{port}"))
+        return targets
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.request.path.startswith(CONTROL_PREFIX) and ctx.options.spillover_control:
@@ -118,6 +135,7 @@ class Spillover:
         request = flow.request
         origin = (request.scheme, request.host, request.port)
         primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
+        self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
         splice = Splice(
             path=request.path,
             headers=[(k, v) for k, v in request.headers.items(multi=True)],
@@ -126,6 +144,7 @@ class Spillover:
             ladder=[primary, *self.fallbacks],
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
+            exact=ctx.options.spillover_exact_replay,
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)

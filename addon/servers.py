@@ -3,13 +3,17 @@
 - Whether it echoes an assistant prefill at the start of its answer (some llama-server
   builds do): knowing keeps the splice from dropping real text that merely looks like it.
 - Its context per slot (`/props`), so a continuation goes only to a server it fits on.
+- Its tokenizer's fingerprint and its model's name, so token ids go only to a server
+  that reads them the same way (token-exact replay, `exact.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +24,21 @@ from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
 MARKER = "Zq7 "
+REASK_SECONDS = 5.0
+# Text that exercises a tokenizer: words, digits, punctuation, accents, CJK, emoji and
+# the special tokens of common chat templates.
+TOKENIZER_PROBE = (
+    "The quick brown fox, 1234567 über naïve café; 東京 🙂 <|im_start|><|im_end|><s></s>"
+    "<|begin_of_text|><|eot_id|><start_of_turn><end_of_turn>\n\t  x"
+)
 
 
 @dataclass
 class ServerInfo:
     echoes_prefill: bool | None = None
     slot_context: int | None = None
+    tokenizer: str | None = None
+    model: str | None = None
 
 
 class ServerDirectory:
@@ -33,17 +46,25 @@ class ServerDirectory:
         self.info: dict[Upstream, ServerInfo] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
+        self._asked: dict[Upstream, float] = {}
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
 
     def learn(self, upstreams: list[Upstream]) -> None:
-        """Ask each server not yet known, in the background."""
+        """Ask each server not yet known, in the background (one that could not answer
+        is asked again, at most every few seconds)."""
+        now = time.monotonic()
         for upstream in upstreams:
-            if upstream not in self.info or self.info[upstream].slot_context is None:
-                task = asyncio.ensure_future(self._probe(upstream))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            known = self.info.get(upstream)
+            if known is not None and known.slot_context is not None:
+                continue
+            if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
+                continue
+            self._asked[upstream] = now
+            task = asyncio.ensure_future(self._probe(upstream))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -66,8 +87,41 @@ class ServerDirectory:
             info.slot_context = int(props["default_generation_settings"]["n_ctx"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.info("no slot context from %s: %r", upstream.url, exc)
+        info.model, info.tokenizer = await self._tokenizer(upstream)
         info.echoes_prefill = await self._echoes(upstream)
         self.info[upstream] = info
+
+    def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
+        mine = self.get(a).tokenizer
+        return mine is not None and mine == self.get(b).tokenizer
+
+    async def _tokenizer(self, upstream: Upstream) -> tuple[str | None, str | None]:
+        """The model's name and a fingerprint of its tokenizer: its vocabulary's kind
+        and size and the ids it makes of a probe text."""
+        try:
+            model = (await self.client.get(f"{upstream.url}/v1/models")).json()["data"][0]
+            meta = model.get("meta") or {}
+            tokens = await self.client.post(
+                f"{upstream.url}/tokenize", json={"content": TOKENIZER_PROBE}
+            )
+            ids = tokens.json()["tokens"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            log.info("no tokenizer fingerprint from %s: %r", upstream.url, exc)
+            return None, None
+        if "n_vocab" not in meta:
+            return model.get("id"), None
+        fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
+        return model.get("id"), hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+    async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """The chat request's prompt as this server's template renders it."""
+        request = {k: body[k] for k in ("messages", "chat_template_kwargs") if k in body}
+        try:
+            rendered = await self.client.post(f"{upstream.url}/apply-template", json=request)
+            prompt = rendered.json()["prompt"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return prompt if isinstance(prompt, str) else None
 
     async def _echoes(self, upstream: Upstream) -> bool | None:
         body = {
@@ -101,20 +155,20 @@ class ServerDirectory:
         in `room`, the server is not asked (asking costs two round trips in the pause)."""
         if (bound := _upper_bound(body)) is not None and bound <= room:
             return bound
-        try:
-            prompt_text = body.get("prompt")
-            if not isinstance(prompt_text, str):
-                rendered = await self.client.post(
-                    f"{upstream.url}/apply-template", json={"messages": body.get("messages", [])}
-                )
-                prompt_text = rendered.json()["prompt"]
-            tokens = await self.client.post(
-                f"{upstream.url}/tokenize", json={"content": prompt_text}
-            )
-            prompt = len(tokens.json()["tokens"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        prompt = body.get("prompt")
+        if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None
-        return prompt + (token_limit(body) or 0)
+        count = 0
+        for part in prompt if isinstance(prompt, list) else [prompt]:
+            if isinstance(part, int):
+                count += 1
+                continue
+            try:
+                tokens = await self.client.post(f"{upstream.url}/tokenize", json={"content": part})
+                count += len(tokens.json()["tokens"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+        return count + (token_limit(body) or 0)
 
 
 TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
@@ -122,8 +176,11 @@ TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
 
 def _upper_bound(body: dict[str, Any]) -> int | None:
     """At most this many tokens: no token holds less than one byte of text."""
-    if isinstance(body.get("prompt"), str):
-        return len(body["prompt"].encode()) + TEMPLATE_TOKENS_PER_MESSAGE + (token_limit(body) or 0)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str | list):
+        parts = prompt if isinstance(prompt, list) else [prompt]
+        size = sum(1 if isinstance(p, int) else len(str(p).encode()) for p in parts)
+        return size + TEMPLATE_TOKENS_PER_MESSAGE + (token_limit(body) or 0)
     total = 0
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None

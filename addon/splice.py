@@ -23,7 +23,9 @@ from addon.continuation import (
     cannot_continue,
     continuation_body,
     prefill_of,
+    take_pieces,
 )
+from addon.exact import NativeToChat, asking_for_ids, client_wants_logprobs, eligible, native_body
 from addon.servers import ServerDirectory
 from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post
@@ -33,6 +35,21 @@ HOP_BY_HOP = {
     "connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
     "upgrade", "proxy-authenticate", "proxy-authorization", "content-encoding",
 }  # fmt: skip
+
+
+class Rewriter(Protocol):
+    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
+
+
+class NativeRewriter:
+    """A native /completion leg's events as chunks of the client's chat stream."""
+
+    def __init__(self, chat: NativeToChat, rewriter: ChunkRewriter) -> None:
+        self._chat = chat
+        self._rewriter = rewriter
+
+    def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        return self._rewriter.rewrite(self._chat.chunk(event))
 
 
 class ClientStream(Protocol):
@@ -62,6 +79,7 @@ class Handoff:
     decided: float
     asked: bool  # asked for (memory pressure, a person); else the leg failed
     pause_ms: float | None = None
+    replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
 
     @property
     def kind(self) -> str:
@@ -74,9 +92,10 @@ class Handoff:
 
     def describe(self) -> str:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
+        replay = f", replayed as {self.replay}" if self.replay else ""
         return (
             f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
-            f"({self.reason}){pause}"
+            f"({self.reason}){replay}{pause}"
         )
 
 
@@ -107,6 +126,7 @@ class Splice:
         ladder: Sequence[Upstream],
         servers: ServerDirectory | None = None,
         on_handoff: Callable[[Handoff], None] = lambda _: None,
+        exact: bool = True,
     ) -> None:
         self.path = path
         # post() sets these itself for each upstream.
@@ -114,8 +134,19 @@ class Splice:
             (k, v) for k, v in forwardable(headers) if k.lower() not in ("host", "accept-encoding")
         ]
         self.body = body
-        self.raw_body = raw_body
         self.ladder = list(ladder)
+        # Token-exact replay needs the first leg's token ids: ask for them when another
+        # server on the ladder could use them, and keep them from a client that did not ask.
+        self.asks_ids = (
+            exact
+            and servers is not None
+            and eligible(path, body)
+            and any(servers.same_tokenizer(self.ladder[0], other) for other in self.ladder[1:])
+        )
+        self._strip_pieces = not client_wants_logprobs(body)
+        if self.asks_ids and self._strip_pieces:
+            raw_body = json.dumps(asking_for_ids(body)).encode()
+        self.raw_body = raw_body
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
         self.streaming = body.get("stream") is True
@@ -182,9 +213,9 @@ class Splice:
             if self._leg_index + 1 >= len(self.ladder):
                 self._give_up(client, failure)
                 return
-            self._announce(client, failure, decided, asked)
+            self._announce(failure, decided, asked)
 
-    def _announce(self, client: ClientStream, reason: str, decided: float, asked: bool) -> None:
+    def _announce(self, reason: str, decided: float, asked: bool) -> None:
         source = self.current
         self._leg_index += 1
         handoff = Handoff(
@@ -197,12 +228,15 @@ class Splice:
             asked=asked,
         )
         self.handoffs.append(handoff)
+        self._on_handoff(handoff)
+
+    def _note(self, client: ClientStream, handoff: Handoff) -> None:
+        """Tell the client, in a comment line, where and how the answer moved."""
         note = sse.comment(f"spillover: {handoff.describe()}") + SEP
         if client.started:
             client.write(note)
         else:
             self._queued.append(note)
-        self._on_handoff(handoff)
 
     def _give_up(self, client: ClientStream, failure: str) -> None:
         message = f"no server could continue this answer: {failure}"
@@ -218,17 +252,15 @@ class Splice:
         upstream = self.current
         first = self._leg_index == 0
         if first:
-            body = self.raw_body
-            rewriter = None
+            path, body, rewriter = self.path, self.raw_body, None
         else:
-            continued = continuation_body(self.body, self.transcript)
-            if (no_room := await self._no_room(upstream, continued)) is not None:
-                return no_room
-            body = json.dumps(continued).encode()
-            echoes = self._servers.get(upstream).echoes_prefill if self._servers else None
-            rewriter = ChunkRewriter(self.transcript, prefill_of(continued), echoes)
+            request = await self._continuation(upstream)
+            self._note(client, self.handoffs[-1])
+            if isinstance(request, str):
+                return request
+            path, body, rewriter = request
         try:
-            response = await post(upstream, self.path, body, self.headers)
+            response = await post(upstream, path, body, self.headers)
         except UpstreamError as exc:
             return str(exc)
         try:
@@ -262,11 +294,13 @@ class Splice:
         calls = ToolCallHold()  # a new leg starts with no call pieces: cut ones are dropped
         held: list[bytes] = []
         transcript = self.transcript
+        # Chunks carrying ids the client did not ask for are read, to take the ids out.
+        fast = not (self.asks_ids and self._strip_pieces)
         async for data in body:
             block = splitter.feed(data)
             if not block:
                 continue
-            if rewriter is None and not held and sse.only_plain_chunks(block):
+            if rewriter is None and not held and fast and sse.only_plain_chunks(block):
                 # The hot path: ordinary tokens from the first leg, forwarded unread.
                 client.write(block)
                 transcript.record_raw(block)
@@ -296,6 +330,10 @@ class Splice:
                     if chunk is None:
                         continue
                     event = sse.encode(chunk)
+                pieces = None
+                if self._strip_pieces and b'"logprobs"' in event:
+                    pieces = take_pieces(chunk, strip=True)
+                    event = sse.encode(chunk)
                 if b'"tool_calls"' in event:
                     envelope = {k: v for k, v in chunk.items() if k != "choices"}
                     chunk, ready = calls.split(chunk)
@@ -313,7 +351,7 @@ class Splice:
                     held.append(event + SEP)
                     continue
                 out.append(event + SEP)
-                transcript.record(chunk)
+                transcript.record(chunk, pieces)
             if out:
                 self._flush(client, out)
                 await client.drain()
@@ -322,6 +360,44 @@ class Splice:
             client.end(b"".join(held) + sse.DONE + SEP)
             return None
         return f"{upstream.url} closed the stream mid-answer"
+
+    async def _continuation(self, upstream: Upstream) -> tuple[str, bytes, Rewriter] | str:
+        """The request that continues the answer on `upstream` (path, body and how to
+        rewrite its chunks), or why it cannot take it."""
+        handoff = self.handoffs[-1]
+        native = await self._exact_continuation(upstream)
+        if native is not None:
+            body, rewriter = native
+            path = "/completion"
+            handoff.replay = "token ids"
+        else:
+            body = continuation_body(self.body, self.transcript)
+            info = self._servers.get(upstream) if self._servers else None
+            rewriter = ChunkRewriter(
+                self.transcript, prefill_of(body), info.echoes_prefill if info else None
+            )
+            path = self.path
+            handoff.replay = "text" if self.transcript.content else None
+        if (no_room := await self._no_room(upstream, body)) is not None:
+            return no_room
+        return path, json.dumps(body).encode(), rewriter
+
+    async def _exact_continuation(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
+        """A native request that goes on from the delivered token ids, when the ids are
+        known and `upstream` reads them as the first server meant them."""
+        servers = self._servers
+        if not self.asks_ids or servers is None or not self.transcript.content:
+            return None
+        if not servers.same_tokenizer(self.ladder[0], upstream):
+            return None
+        if (ids := self.transcript.exact_ids()) is None:
+            return None
+        if (prompt := await servers.render(upstream, self.body)) is None:
+            return None
+        body = native_body(self.body, prompt, ids, self.transcript.produced)
+        usage = (self.body.get("stream_options") or {}).get("include_usage") is True
+        chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
+        return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
 
     async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """Why `upstream` cannot take this continuation whole, or None if it can (or

@@ -35,9 +35,12 @@ STREAM_HEAD = (
 )
 
 
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+
 class FakeUpstream:
-    """Answers every request with `script`: (bytes, seconds to wait after sending) pairs,
-    then closes the connection."""
+    """Answers every POST with `script`: (bytes, seconds to wait after sending) pairs,
+    then closes the connection. Anything else (the addon's start-up questions) gets 404."""
 
     def __init__(self, script: Sequence[tuple[bytes, float]]) -> None:
         self.script = list(script)
@@ -71,6 +74,9 @@ class FakeUpstream:
             )
             while len(body) < length:
                 body += conn.recv(65536)
+            if not head.startswith(b"POST "):
+                conn.sendall(NOT_FOUND)
+                return
             self.requests.append(body)
             try:
                 for part, pause in self.script:

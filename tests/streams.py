@@ -98,8 +98,8 @@ def record(stream: RawStream, line: str) -> None:
                 stream.pieces[-1].append(text)
 
 
-def direct_text(server_url: str, max_tokens: int) -> str:
-    body = {**chat_body(max_tokens), "stream": False}
+def direct_text(server_url: str, max_tokens: int, **extra: Any) -> str:
+    body = {**chat_body(max_tokens, **extra), "stream": False}
     reply = httpx.post(f"{server_url}/v1/chat/completions", json=body, timeout=60).json()
     return reply["choices"][0]["message"]["content"]
 

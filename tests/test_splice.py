@@ -14,6 +14,7 @@ import openai
 import pytest
 from mitmproxy import io
 
+from addon.servers import MARKER
 from scripts.llamaserver import LlamaServer
 from scripts.mitm import Mitmdump
 from scripts.processes import free_port
@@ -210,7 +211,7 @@ def test_handoff_right_before_the_primarys_finish(start_proxy, fallback: LlamaSe
     assert_one_clean_stream(stream)
     assert stream.segments == [" the river", continuation(fallback.url, " the river", 1)]
     assert stream.segment_tokens == [2, 1] and stream.finishes == ["length"]
-    sent = json.loads(fake.requests[0])
+    (sent,) = [json.loads(r) for r in fake.requests if MARKER.encode() not in r]  # not the probe
     assert sent["max_tokens"] == 3
     fake.close()
 

@@ -16,7 +16,9 @@ from addon.continuation import (
     cannot_continue,
     continuation_body,
     prefill_of,
+    take_pieces,
 )
+from addon.exact import NativeToChat, native_body
 from addon.toolcalls import ToolCallHold
 from addon.upstream import ChunkedBody, LengthBody, UpstreamError
 from tests.fake_upstream import chunked, sse_chunk
@@ -217,3 +219,67 @@ def test_sampling_parameters_travel_with_the_continuation() -> None:
     body = continuation_body(original, delivered(" a", " b"))
     unchanged = {k: v for k, v in original.items() if k not in ("messages", "max_tokens")}
     assert {k: body[k] for k in unchanged} == unchanged and body["max_tokens"] == 48
+
+
+def _with_pieces(text: str, *pieces: tuple[int, str]) -> dict:
+    chunk = json.loads(sse_chunk(text)[6:])
+    entries = [{"id": i, "token": t, "bytes": list(t.encode())} for i, t in pieces]
+    chunk["choices"][0]["logprobs"] = {"content": entries}
+    return chunk
+
+
+def test_exact_ids_are_given_only_when_they_spell_the_delivered_text() -> None:
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record(_with_pieces(" th", (7, " th")))
+    transcript.record(_with_pieces("e", (9, "e")))
+    assert transcript.exact_ids() == [7, 9]
+    # A token whose text the server held back: ids and text no longer agree.
+    transcript.record(_with_pieces("", (11, "\xe2")), None)
+    assert transcript.exact_ids() is None
+
+
+def test_text_without_ids_turns_exact_replay_off_for_good() -> None:
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record(_with_pieces(" the", (5, " the")))
+    transcript.record(json.loads(sse_chunk(" river")[6:]))
+    assert transcript.ids is None and transcript.exact_ids() is None
+
+
+def test_ids_taken_out_of_a_chunk_leave_no_logprobs_behind() -> None:
+    chunk = _with_pieces(" the", (5, " the"))
+    assert take_pieces(chunk, strip=True) == [(5, b" the")]
+    assert "logprobs" not in chunk["choices"][0]
+    assert take_pieces(chunk, strip=True) is None
+
+
+def test_native_events_become_chat_chunks() -> None:
+    chat = NativeToChat("fallback.gguf", include_usage=True)
+    probs = [{"id": 5, "token": " the", "bytes": [32, 116, 104, 101], "prob": 1.0}]
+    middle = chat.chunk({"content": " the", "stop": False, "completion_probabilities": probs})
+    assert middle["choices"][0]["delta"] == {"content": " the"}
+    assert middle["choices"][0]["logprobs"] == {"content": probs}
+    assert middle["object"] == "chat.completion.chunk" and middle["model"] == "fallback.gguf"
+    last = chat.chunk(
+        {"content": "", "stop": True, "stop_type": "limit", "tokens_predicted": 3,
+         "tokens_evaluated": 20}
+    )  # fmt: skip
+    assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["delta"] == {}
+    assert last["usage"] == {"completion_tokens": 3, "prompt_tokens": 20, "total_tokens": 23}
+    eos = chat.chunk({"content": ".", "stop": True, "stop_type": "eos"})
+    assert eos["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_native_continuation_keeps_the_sampling_settings_and_counts_down() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+        "temperature": 0.3, "seed": 7, "stop": ["\n"], "tools": None, "top_logprobs": 3,
+    }  # fmt: skip
+    native = native_body(body, "<prompt>", [4, 5, 6], produced=3)
+    assert native["prompt"] == ["<prompt>", 4, 5, 6] and native["n_predict"] == 47
+    assert native["temperature"] == 0.3 and native["seed"] == 7 and native["stop"] == ["\n"]
+    assert "messages" not in native and "max_tokens" not in native
+    assert native["n_probs"] == 1 and native["post_sampling_probs"] is True
+    asked = native_body({**body, "logprobs": True}, "<prompt>", [4], produced=1)
+    assert asked["n_probs"] == 3 and asked["post_sampling_probs"] is False

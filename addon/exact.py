@@ -1,0 +1,97 @@
+"""Token-exact replay: continue an answer from the very token ids already produced.
+
+Replaying delivered text makes the next server tokenize it again, and a model's own
+output is not always what its tokenizer would make of the same text, so the boundary
+can drift. When the servers share a tokenizer (checked at start-up, see `servers.py`),
+the first leg asks its server for each token's id (logprobs, stripped again before the
+client sees them unless it asked for logprobs itself), and a continuation goes to the
+next server's native `/completion` as its rendered chat prompt followed by those ids.
+Its native events are turned back into chat chunks here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from addon.continuation import TOKEN_LIMIT_FIELDS, token_limit
+
+# Chat request fields that have no meaning for a native /completion of a rendered prompt.
+CHAT_ONLY = (
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
+    "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "n",
+    "reasoning_format", "add_generation_prompt", *TOKEN_LIMIT_FIELDS,
+)  # fmt: skip
+
+
+def eligible(path: str, body: dict[str, Any]) -> bool:
+    """A chat request whose answer is plain text the server renders from a template:
+    no tools, no client prefill, no output constraint."""
+    if not path.split("?")[0].endswith("/chat/completions") or body.get("stream") is not True:
+        return False
+    messages = body.get("messages")
+    if not messages or not isinstance(messages[-1], dict):
+        return False
+    if messages[-1].get("role") == "assistant":
+        return False
+    return not any(body.get(k) for k in ("tools", "response_format", "grammar", "json_schema"))
+
+
+def client_wants_logprobs(body: dict[str, Any]) -> bool:
+    return body.get("logprobs") is True
+
+
+def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """The request, also asking for the id of each token it streams (cheaply: only the
+    sampled token's probability after sampling)."""
+    return {**body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
+
+
+def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:
+    """A native /completion request that goes on from `prompt` (the rendered chat
+    prompt) and the answer's token ids, with the chat request's sampling settings."""
+    native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
+    native["prompt"] = [prompt, *ids]
+    native["stream"] = True
+    if (limit := token_limit(body)) is not None:
+        native["n_predict"] = max(1, limit - produced)
+    if client_wants_logprobs(body):
+        native["n_probs"] = max(1, int(body.get("top_logprobs") or 1))
+        native["post_sampling_probs"] = bool(body.get("post_sampling_probs"))
+    else:
+        native["n_probs"] = 1
+        native["post_sampling_probs"] = True
+    return native
+
+
+class NativeToChat:
+    """Turns a native /completion stream's events into chat completion chunks (the
+    pieces ride along as logprobs, which the splice strips unless the client asked)."""
+
+    def __init__(self, model: str | None, include_usage: bool) -> None:
+        self.model = model
+        self.include_usage = include_usage
+
+    def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
+        probs = event.get("completion_probabilities") or []
+        choice: dict[str, Any] = {"finish_reason": None, "index": 0, "delta": {}}
+        if content := event.get("content"):
+            choice["delta"]["content"] = content
+        if probs:
+            choice["logprobs"] = {"content": probs}
+        chunk: dict[str, Any] = {
+            "choices": [choice],
+            "model": event.get("model") or self.model,
+            "object": "chat.completion.chunk",
+        }
+        if event.get("stop") is True:
+            choice["finish_reason"] = "length" if event.get("stop_type") == "limit" else "stop"
+            if self.include_usage:
+                completion = int(event.get("tokens_predicted") or 0)
+                prompt = int(event.get("tokens_evaluated") or 0)
+                chunk["usage"] = {
+                    "completion_tokens": completion,
+                    "prompt_tokens": prompt,
+                    "total_tokens": completion + prompt,
+                }
+        return chunk
