@@ -32,11 +32,12 @@ class LegUsage:
 class Transcript:
     role_sent: bool = False
     content: list[str] = field(default_factory=list)
-    produced: int = 0  # content deltas delivered; llama-server sends one per token
+    reasoning: list[str] = field(default_factory=list)  # reasoning_content deltas
+    produced: int = 0  # deltas delivered; llama-server sends one per token
     id: str | None = None
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
-    other_parts: set[str] = field(default_factory=set)  # delta fields besides plain content
+    other_parts: set[str] = field(default_factory=set)  # what cannot be replayed: tool calls
     # The token ids behind the delivered text, while every leg has reported them.
     ids: list[int] | None = field(default_factory=list)
     id_bytes: bytearray = field(default_factory=bytearray)
@@ -45,6 +46,10 @@ class Transcript:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning)
 
     def record_raw(self, block: bytes) -> None:
         """Account for a block of events forwarded unread; `settle()` reads them."""
@@ -83,11 +88,21 @@ class Transcript:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 self.role_sent = True
-            if text := delta.get("content") or choice.get("text"):
-                self.content.append(text)
+            text = delta.get("content") or choice.get("text")
+            thought = delta.get("reasoning_content")
+            if text and self.reasoning and not self.content:
+                # The tag that closed the reasoning was a token too, with no delta of its own.
                 self.produced += 1
                 leg.completion_tokens += 1
-            self.other_parts.update(k for k in ("tool_calls", "reasoning_content") if delta.get(k))
+            if text:
+                self.content.append(text)
+            if thought:
+                self.reasoning.append(thought)
+            if text or thought:
+                self.produced += 1
+                leg.completion_tokens += 1
+            if delta.get("tool_calls"):
+                self.other_parts.add("tool_calls")
         self._record_ids(chunk, pieces)
 
     def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None) -> None:
@@ -96,8 +111,10 @@ class Transcript:
         if pieces is None:
             pieces = take_pieces(chunk, strip=False)
         if pieces is None:
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                self.ids = None  # text without ids: this answer can only be replayed as text
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    self.ids = None  # text without ids: it can only be replayed as text
             return
         for token, data in pieces:
             self.ids.append(token)
@@ -122,13 +139,18 @@ def _piece(entry: dict[str, Any]) -> Piece:
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
     """The original request, continued from what the client already has."""
     body = copy.deepcopy(original)
-    delivered = transcript.text
-    if not delivered:
+    delivered, reasoning = transcript.text, transcript.reasoning_text
+    if not delivered and not reasoning:
         return body
     if isinstance(body.get("prompt"), str):
         body["prompt"] += delivered  # a text completion simply goes on from its prompt
     else:
-        body["messages"] = _continued_messages(list(body.get("messages") or []), delivered)
+        messages = _continued_messages(list(body.get("messages") or []), delivered)
+        if reasoning:
+            # llama-server goes on with the reasoning while the answer has no content yet,
+            # else it renders the reasoning closed and goes on with the content.
+            messages[-1]["reasoning_content"] = reasoning
+        body["messages"] = messages
     for name in TOKEN_LIMIT_FIELDS:
         limit = body.get(name)
         if isinstance(limit, int) and limit > 0:
@@ -163,7 +185,7 @@ def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
     Before any text went out, any server can simply answer from the start."""
     if transcript.other_parts:
         parts = " and ".join(sorted(transcript.other_parts))
-        return f"the answer so far has {parts}, which cannot yet be continued elsewhere"
+        return f"the answer so far has {parts}, which cannot be continued elsewhere"
     if not transcript.content:
         return None
     constraint = next((k for k in CONSTRAINTS if body.get(k)), None)
@@ -186,11 +208,18 @@ class ChunkRewriter:
 
     `echo` says whether the server repeats the prefill at the start of its answer:
     True or False when known (probed), None to decide from the first content delta.
+    Reasoning is echoed like content; once the answer has moved on to content, the
+    server restates the finished reasoning, which is dropped whole.
     """
 
     def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
         self._transcript = transcript
-        self._echo_left = prefill if echo is not False else ""
+        reasoning = transcript.reasoning_text
+        self._echo_left = {
+            "content": prefill if echo is not False else "",
+            "reasoning_content": reasoning if echo is not False else "",
+        }
+        self._reasoning_done = bool(reasoning and transcript.content)
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None when nothing is left of it."""
@@ -210,10 +239,13 @@ class ChunkRewriter:
                 del delta["role"]
                 if delta.get("content") is None:
                     delta.pop("content", None)
-            if delta.get("content"):
-                delta["content"] = self._strip_echo(delta["content"])
-                if not delta["content"]:
-                    del delta["content"]
+            if self._reasoning_done:
+                delta.pop("reasoning_content", None)
+            for part in ("content", "reasoning_content"):
+                if delta.get(part):
+                    delta[part] = self._strip_echo(part, delta[part])
+                    if not delta[part]:
+                        del delta[part]
             if delta or choice.get("text") or choice.get("finish_reason") is not None:
                 keep = True
         if chunk.get("usage"):
@@ -221,19 +253,19 @@ class ChunkRewriter:
             keep = True
         return chunk if keep else None
 
-    def _strip_echo(self, text: str) -> str:
-        echo = self._echo_left
+    def _strip_echo(self, part: str, text: str) -> str:
+        echo = self._echo_left[part]
         if not echo:
             return text
         if text.startswith(echo):
-            self._echo_left = ""
+            self._echo_left[part] = ""
             return text[len(echo) :]
         if echo.startswith(text):
-            self._echo_left = echo[len(text) :]
+            self._echo_left[part] = echo[len(text) :]
             return ""
         # The answer does not start with the prefill: either this server does not echo
         # after all, or an echoing one diverged. Either way, never drop real text.
-        self._echo_left = ""
+        self._echo_left[part] = ""
         return text
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -377,7 +377,8 @@ class Splice:
                 self.transcript, prefill_of(body), info.echoes_prefill if info else None
             )
             path = self.path
-            handoff.replay = "text" if self.transcript.content else None
+            delivered = self.transcript.content or self.transcript.reasoning
+            handoff.replay = "text" if delivered else None
         if (no_room := await self._no_room(upstream, body)) is not None:
             return no_room
         return path, json.dumps(body).encode(), rewriter
@@ -388,6 +389,8 @@ class Splice:
         servers = self._servers
         if not self.asks_ids or servers is None or not self.transcript.content:
             return None
+        if self.transcript.reasoning:
+            return None  # a native completion would not split reasoning from content
         if not servers.same_tokenizer(self.ladder[0], upstream):
             return None
         if (ids := self.transcript.exact_ids()) is None:

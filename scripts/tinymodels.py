@@ -31,6 +31,23 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The same conversation format, with a reasoning phase the answer opens in: llama-server
+# recognises the <think> tags and streams that phase as reasoning_content.
+REASONING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% if message['reasoning_content'] %}"
+    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{% endif %}"
+    "{{ (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
+
 WORDS = """
 the of and to in is was it for that with as on be at by this had not are but from or
 have an they which one you were her all she there would their we him been has when who
@@ -106,6 +123,10 @@ def build_vocab() -> tuple[list[str], list[float], list[int], list[float]]:
                 seen.add(piece)
                 whole = piece == SPACE + word
                 add(piece, TokenType.NORMAL, WORD_BIAS if whole else FRAGMENT_BIAS)
+    # Reasoning tags, last so every other id stays put. The model never opens a reasoning
+    # phase itself, and closes one only when a request's logit_bias asks it to.
+    add("<think>", TokenType.USER_DEFINED, BANNED_BIAS)
+    add("</think>", TokenType.USER_DEFINED, FRAGMENT_BIAS)
     # Longer pieces score higher so merges prefer them.
     scores = [
         0.0 if t != TokenType.NORMAL else float(len(p)) for p, t in zip(tokens, types, strict=True)
@@ -209,6 +230,13 @@ def _fingerprint_of(path: Path) -> str | None:
 def _expected_fingerprint(name: str) -> str:
     # Regenerate when this file (vocabulary, layout, presets) changes.
     return hashlib.sha256(Path(__file__).read_bytes() + name.encode()).hexdigest()
+
+
+def reasoning_template(directory: Path) -> Path:
+    """The reasoning chat template as a file, for llama-server's --chat-template-file."""
+    path = directory / "reasoning.jinja"
+    path.write_text(REASONING_TEMPLATE)
+    return path
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ class RawStream:
     segment_tokens: list[int] = field(default_factory=lambda: [0])
     note_at: list[int] = field(default_factory=list)  # chunks received before each note
     pieces: list[list[str]] = field(default_factory=lambda: [[]])  # content deltas by segment
+    thoughts: list[str] = field(default_factory=lambda: [""])  # reasoning between notes
 
     @property
     def text(self) -> str:
@@ -83,6 +84,7 @@ def record(stream: RawStream, line: str) -> None:
         stream.segments.append("")
         stream.segment_tokens.append(0)
         stream.pieces.append([])
+        stream.thoughts.append("")
     elif line == "data: [DONE]":
         stream.done += 1
     elif line.startswith("data: "):
@@ -92,10 +94,14 @@ def record(stream: RawStream, line: str) -> None:
             return
         stream.chunks.append(payload)
         for choice in payload["choices"]:
-            if text := choice.get("delta", {}).get("content") or choice.get("text"):
+            delta = choice.get("delta", {})
+            if text := delta.get("content") or choice.get("text"):
                 stream.segments[-1] += text
-                stream.segment_tokens[-1] += 1
                 stream.pieces[-1].append(text)
+            if thought := delta.get("reasoning_content"):
+                stream.thoughts[-1] += thought
+            if text or thought:
+                stream.segment_tokens[-1] += 1
 
 
 def direct_text(server_url: str, max_tokens: int, **extra: Any) -> str:

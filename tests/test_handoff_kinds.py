@@ -226,7 +226,7 @@ def test_after_a_whole_call_went_out_a_failure_is_told_clearly(
     )])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
     with (
-        pytest.raises(openai.APIError, match="tool_calls, which cannot yet be continued"),
+        pytest.raises(openai.APIError, match="tool_calls, which cannot be continued"),
         tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream,
     ):
         for _ in stream:
