@@ -80,6 +80,7 @@ class Handoff:
     asked: bool  # asked for (memory pressure, a person); else the leg failed
     pause_ms: float | None = None
     replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
+    caveat: str | None = None  # a promise of the request this handoff cannot keep
 
     @property
     def kind(self) -> str:
@@ -93,9 +94,10 @@ class Handoff:
     def describe(self) -> str:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
         replay = f", replayed as {self.replay}" if self.replay else ""
+        caveat = f"; {self.caveat}" if self.caveat else ""
         return (
             f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
-            f"({self.reason}){replay}{pause}"
+            f"({self.reason}){replay}{pause}{caveat}"
         )
 
 
@@ -379,6 +381,8 @@ class Splice:
             path = self.path
             delivered = self.transcript.content or self.transcript.reasoning
             handoff.replay = "text" if delivered else None
+        if handoff.replay and _seeded_sampling(self.body):
+            handoff.caveat = "the sampling seed starts over on the new server"
         if (no_room := await self._no_room(upstream, body)) is not None:
             return no_room
         return path, json.dumps(body).encode(), rewriter
@@ -425,6 +429,12 @@ class Splice:
             handoff = self.handoffs[-1]
             handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
             self._on_handoff(handoff)
+
+
+def _seeded_sampling(body: dict[str, Any]) -> bool:
+    """A seed promises a reproducible answer; the random state cannot move with it.
+    (llama-server samples at temperature 0.8 unless told otherwise.)"""
+    return body.get("seed") is not None and body.get("temperature", 0.8) != 0
 
 
 def _error_text(error: Any) -> str:

@@ -143,3 +143,26 @@ def test_usage_counts_the_whole_answer_across_an_exact_replay(twins) -> None:
     assert usage["completion_tokens"] == ANSWER
     legs = usage["spillover"]["legs"]
     assert [leg["completion_tokens"] for leg in legs] == stream.segment_tokens
+
+
+def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) -> None:
+    first, _, proxy = twins
+    whole = direct_text(first.url, ANSWER)
+    stop = " " + whole.split()[-6]  # a word late in the answer, after the cut
+    expected = direct_text(first.url, ANSWER, stop=[stop])
+    assert len(expected) < len(whole)
+    stream = read_stream(
+        proxy.url, chat_body(ANSWER, stop=[stop]), on_chunk=handoff_after(proxy, 8)
+    )
+    assert_one_clean_stream(stream)
+    assert cut_and_replay(stream)[1] == "token ids"
+    assert stream.text == expected and stream.finishes == ["stop"]
+
+
+def test_a_seeded_sampled_answer_is_told_its_seed_starts_over(twins) -> None:
+    _, _, proxy = twins
+    body = {**chat_body(ANSWER), "temperature": 0.9, "seed": 42}
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8))
+    assert_one_clean_stream(stream)
+    assert "the sampling seed starts over on the new server" in stream.notes[0]
+    assert sum(stream.segment_tokens) == ANSWER
