@@ -86,6 +86,8 @@ class NativeToChat:
         }
         if event.get("stop") is True:
             choice["finish_reason"] = "length" if event.get("stop_type") == "limit" else "stop"
+            if "timings" in event:
+                chunk["timings"] = event["timings"]  # as llama-server's own last chat chunk
             if self.include_usage:
                 completion = int(event.get("tokens_predicted") or 0)
                 prompt = int(event.get("tokens_evaluated") or 0)

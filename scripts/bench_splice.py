@@ -92,11 +92,15 @@ def overhead(quick: bool, work: Path) -> None:
             "direct": None,
             "plain mitmdump": Mitmdump(source.url, addon=False, log_dir=work),
             "addon": Mitmdump(source.url, [], log_dir=work),
+            # A fallback with the same tokenizer: the first leg is asked for token ids.
+            "addon, ids": Mitmdump(source.url, [source.url], log_dir=work),
         }
         results: dict[str, tuple[float, float, float, float]] = {}
         for name, proxy in setups.items():
             if proxy is not None:
                 proxy.start()
+                if proxy.fallbacks:
+                    wait_for_tokenizers(proxy)
             port = proxy.port if proxy else source.port
             try:
                 asyncio.run(throughput(port, 1, 500))  # warm up
@@ -111,13 +115,25 @@ def overhead(quick: bool, work: Path) -> None:
     print(f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8}")
     for name, (one, many, p50, p95) in results.items():
         print(f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f}")
-    addon = results["addon"]
-    print(
-        f"addon / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "
-        f"{addon[1] / plain[1]:.2f}x (32 streams); added p50 latency "
-        f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms"
-    )
+    for name in ("addon", "addon, ids"):
+        addon = results[name]
+        print(
+            f"{name} / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "
+            f"{addon[1] / plain[1]:.2f}x (32 streams); added p50 latency "
+            f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms"
+        )
     print(f"plain mitmdump / direct: throughput {plain[0] / results['direct'][0]:.2f}x (1 stream)")
+
+
+def wait_for_tokenizers(proxy: Mitmdump) -> None:
+    """The addon asks its servers about themselves in the background at start."""
+    urls = [proxy.primary, *proxy.fallbacks]
+    for _ in range(200):
+        servers = httpx.get(f"{proxy.url}/spillover/status").json()["servers"]
+        if all((servers.get(u) or {}).get("tokenizer") for u in urls):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the addon never learned the tokenizers of {urls}")
 
 
 def handoff_pause(proxy: Mitmdump, control: httpx.Client, cut: int = 100) -> tuple[float, float]:
@@ -155,21 +171,26 @@ def pauses(quick: bool, work: Path) -> None:
     # the text's size alone that the rest of the answer fits on the fallback.
     primary = LlamaServer(models["primary"], ctx_size=16384, log_dir=work)
     fallback = LlamaServer(models["fallback"], ctx_size=16384, log_dir=work)
+    results = {}
     with running(primary, fallback):
-        proxy = Mitmdump(primary.url, [fallback.url], log_dir=work)
-        with running(proxy):
-            cold = []
-            for _ in range(repeats):
-                fallback.stop()  # a fresh fallback process: nothing in its prompt cache
-                fallback.start()
-                cold.append(handoff_pause(proxy, control))
-            warm = [handoff_pause(proxy, control) for _ in range(repeats)]  # prompt cached
-    print(f"\n{'handoff':8} {'pause ms':>9} {'fallback prompt ms':>19} {'pause - prompt':>15}")
-    for label, samples in (("cold", cold), ("warm", warm)):
+        for replay, exact in (("token ids", "true"), ("text", "false")):
+            options = [f"spillover_exact_replay={exact}"]
+            proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)
+            with running(proxy):
+                wait_for_tokenizers(proxy)
+                cold = []
+                for _ in range(repeats):
+                    fallback.stop()  # a fresh fallback process: nothing in its prompt cache
+                    fallback.start()
+                    cold.append(handoff_pause(proxy, control))
+                warm = [handoff_pause(proxy, control) for _ in range(repeats)]  # cached
+            results[f"cold, {replay}"], results[f"warm, {replay}"] = cold, warm
+    print(f"\n{'handoff':16} {'pause ms':>9} {'fallback prompt ms':>19} {'pause - prompt':>15}")
+    for label, samples in results.items():
         pause = statistics.median(s[0] for s in samples)
         prompt = statistics.median(s[1] for s in samples)
         extra = statistics.median(s[0] - s[1] for s in samples)
-        print(f"{label:8} {pause:9.2f} {prompt:19.2f} {extra:15.2f}")
+        print(f"{label:16} {pause:9.2f} {prompt:19.2f} {extra:15.2f}")
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
 
     python -m scripts.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
+
+With "logprobs": true each chunk carries its token's id, as llama-server's do. It also
+answers the questions the addon asks a server at start (/props, /v1/models, /tokenize).
 """
 
 from __future__ import annotations
@@ -18,15 +21,25 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding
 BATCH = 64  # events per socket write when unpaced
 
 
-def chunk(index: int, finish: str | None = None) -> bytes:
+ABOUT = {
+    "/props": {"default_generation_settings": {"n_ctx": 65536}},
+    "/v1/models": {"data": [{"id": "bench", "meta": {"vocab_type": 1, "n_vocab": 1000}}]},
+    "/tokenize": {"tokens": [1, 2, 3]},
+}
+
+
+def chunk(index: int, finish: str | None = None, ids: bool = False) -> bytes:
+    choice: dict = {
+        "finish_reason": finish,
+        "index": 0,
+        "delta": {} if finish else {"content": f" w{index % 1000}"},
+    }
+    if ids and not finish:
+        text = f" w{index % 1000}"
+        entry = {"id": index % 1000, "token": text, "bytes": list(text.encode()), "prob": 1.0}
+        choice["logprobs"] = {"content": [{**entry, "top_probs": [entry]}]}
     payload = {
-        "choices": [
-            {
-                "finish_reason": finish,
-                "index": 0,
-                "delta": {} if finish else {"content": f" w{index % 1000}"},
-            }
-        ],
+        "choices": [choice],
         "created": 1796000000,
         "id": "chatcmpl-bench",
         "model": "bench",
@@ -49,22 +62,27 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
             body = json.loads(await reader.readexactly(length) or b"{}")
-            if head.startswith(b"GET"):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            path = head.split(b" ")[1].decode()
+            if path in ABOUT or head.startswith(b"GET"):
+                answer = json.dumps(ABOUT.get(path, "ok")).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer)
+                )
                 continue
+            ids = body.get("logprobs") is True
             count = int(body.get("max_tokens", 1000))
             interval = float(body.get("interval_ms", 0)) / 1000
             writer.write(HEAD)
             if interval:
                 for i in range(count):
-                    writer.write(framed(chunk(i)))
+                    writer.write(framed(chunk(i, ids=ids)))
                     await writer.drain()
                     await asyncio.sleep(interval)
             else:
                 for start in range(0, count, BATCH):
                     end = min(count, start + BATCH)
                     # One HTTP chunk per event, as llama-server sends them.
-                    writer.write(b"".join(framed(chunk(i)) for i in range(start, end)))
+                    writer.write(b"".join(framed(chunk(i, ids=ids)) for i in range(start, end)))
                     await writer.drain()
             tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
             writer.write(framed(tail) + b"0\r\n\r\n")
