@@ -12,9 +12,9 @@ Its native events are turned back into chat chunks here.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Protocol
 
-from addon.continuation import TOKEN_LIMIT_FIELDS, token_limit
+from addon.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
 
 # Chat request fields that have no meaning for a native /completion of a rendered prompt.
 CHAT_ONLY = (
@@ -97,3 +97,18 @@ class NativeToChat:
                     "total_tokens": completion + prompt,
                 }
         return chunk
+
+
+class Rewriter(Protocol):
+    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
+
+
+class NativeRewriter:
+    """A native /completion leg's events as chunks of the client's chat stream."""
+
+    def __init__(self, chat: NativeToChat, rewriter: ChunkRewriter) -> None:
+        self._chat = chat
+        self._rewriter = rewriter
+
+    def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        return self._rewriter.rewrite(self._chat.chunk(event))

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from addon.splice import Handoff
+from addon.handoff import Handoff
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

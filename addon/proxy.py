@@ -13,10 +13,12 @@ from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
+from addon.exchange import Exchange, as_flow
+from addon.handoff import Handoff
 from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from addon.metrics import Metrics
 from addon.servers import ServerDirectory
-from addon.splice import Handoff, Splice
+from addon.splice import Splice
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class Spillover:
         self.endpoint = SpliceEndpoint()
         self.fallbacks: list[Upstream] = []
         self.live: dict[str, _Live] = {}
-        self.servers = ServerDirectory()
+        self.servers = ServerDirectory(on_exchange=lambda e: self._show(as_flow(e)))
         self._loop: asyncio.AbstractEventLoop | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
@@ -81,6 +83,11 @@ class Spillover:
             "spillover_exact_replay", bool, True,
             "Continue from the exact token ids when primary and fallback share a tokenizer "
             "(asks the primary for each token's id; the client does not see them).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_upstream_flows", bool, True,
+            "Show and record the addon's own upstream requests (each leg of an answer, "
+            "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
         loader.add_option(
             "spillover_control", bool, True,
@@ -144,6 +151,7 @@ class Spillover:
             ladder=[primary, *self.fallbacks],
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
+            on_exchange=lambda exchange: self._show_leg(flow, exchange),
             exact=ctx.options.spillover_exact_replay,
         )
         token = self.endpoint.expect(splice)
@@ -208,6 +216,21 @@ class Spillover:
         flow.metadata["spillover"]["handoffs"] = [h.as_metadata() for h in handoffs]
         flow.comment = "\n".join(f"spillover: {h.describe()}" for h in handoffs)
         flow.marked = MARK
+
+    def _show_leg(self, answer: http.HTTPFlow, exchange: Exchange) -> None:
+        leg = as_flow(exchange, answer)
+        answer.metadata["spillover"].setdefault("legs", []).append(leg.id)
+        self._show(leg)
+
+    def _show(self, flow: http.HTTPFlow) -> None:
+        """Put a flow the addon made itself where mitmproxy's own flows go: the view
+        (mitmweb, the console) and the `-w` file."""
+        if not ctx.options.spillover_upstream_flows:
+            return
+        if (view := ctx.master.addons.get("view")) is not None:
+            view.add([flow])
+        if (save := ctx.master.addons.get("save")) is not None:
+            save.save_flow(flow)
 
     def _control(self, flow: http.HTTPFlow) -> None:
         route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]

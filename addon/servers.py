@@ -14,12 +14,14 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from addon.continuation import token_limit
+from addon.exchange import Exchange
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,45 @@ class ServerInfo:
     model: str | None = None
 
 
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
+
+    def __init__(self, record: Callable[[Exchange], None]) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self._record = record
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        exchange = Exchange(
+            f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
+            [(k.decode(), v.decode()) for k, v in request.headers.raw], await request.aread(),
+            purpose="question",
+        )  # fmt: skip
+        try:
+            response = await self._inner.handle_async_request(request)
+            body = await response.aread()
+        except Exception as exc:
+            exchange.end("failed", repr(exc))
+            self._record(exchange)
+            raise
+        headers = [(k.decode(), v.decode("latin-1")) for k, v in response.headers.raw]
+        exchange.respond(response.status_code, headers)
+        exchange.received += body
+        exchange.end("complete")
+        self._record(exchange)
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=body,
+            extensions=response.extensions,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 class ServerDirectory:
-    def __init__(self) -> None:
+    def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
+        self._on_exchange = on_exchange
         self.info: dict[Upstream, ServerInfo] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -77,7 +116,8 @@ class ServerDirectory:
     def client(self) -> httpx.AsyncClient:
         # One client for all: making one costs tens of milliseconds (its TLS context).
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=5)
+            transport = RecordingTransport(self._on_exchange)
+            self._client = httpx.AsyncClient(timeout=5, transport=transport)
         return self._client
 
     async def _probe(self, upstream: Upstream) -> None:

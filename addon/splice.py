@@ -13,43 +13,32 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from addon import sse
 from addon.continuation import (
-    ChunkRewriter,
     Transcript,
     cannot_continue,
-    continuation_body,
-    prefill_of,
     take_pieces,
 )
-from addon.exact import NativeToChat, asking_for_ids, client_wants_logprobs, eligible, native_body
+from addon.exact import (
+    Rewriter,
+    asking_for_ids,
+    client_wants_logprobs,
+    eligible,
+)
+from addon.exchange import Exchange
+from addon.handoff import Handoff
+from addon.nextleg import NextLeg
 from addon.servers import ServerDirectory
 from addon.toolcalls import ToolCallHold, calls_chunk
-from addon.upstream import Upstream, UpstreamError, post
+from addon.upstream import Upstream, UpstreamError, post, sent_headers
 
 SEP = sse.TERMINATOR
 HOP_BY_HOP = {
     "connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
     "upgrade", "proxy-authenticate", "proxy-authorization", "content-encoding",
 }  # fmt: skip
-
-
-class Rewriter(Protocol):
-    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
-
-
-class NativeRewriter:
-    """A native /completion leg's events as chunks of the client's chat stream."""
-
-    def __init__(self, chat: NativeToChat, rewriter: ChunkRewriter) -> None:
-        self._chat = chat
-        self._rewriter = rewriter
-
-    def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        return self._rewriter.rewrite(self._chat.chunk(event))
 
 
 class ClientStream(Protocol):
@@ -67,38 +56,6 @@ class ClientStream(Protocol):
     def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None: ...
 
     async def drain(self) -> None: ...
-
-
-@dataclass
-class Handoff:
-    reason: str
-    source: str
-    target: str
-    at_token: int
-    at_char: int
-    decided: float
-    asked: bool  # asked for (memory pressure, a person); else the leg failed
-    pause_ms: float | None = None
-    replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
-    caveat: str | None = None  # a promise of the request this handoff cannot keep
-
-    @property
-    def kind(self) -> str:
-        if not self.asked:
-            return "failure"
-        return "pressure" if self.reason.startswith("memory pressure") else "requested"
-
-    def as_metadata(self) -> dict[str, Any]:
-        return {"kind": self.kind} | {k: v for k, v in vars(self).items() if k != "decided"}
-
-    def describe(self) -> str:
-        pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
-        replay = f", replayed as {self.replay}" if self.replay else ""
-        caveat = f"; {self.caveat}" if self.caveat else ""
-        return (
-            f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
-            f"({self.reason}){replay}{pause}{caveat}"
-        )
 
 
 def forwardable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -128,6 +85,7 @@ class Splice:
         ladder: Sequence[Upstream],
         servers: ServerDirectory | None = None,
         on_handoff: Callable[[Handoff], None] = lambda _: None,
+        on_exchange: Callable[[Exchange], None] = lambda _: None,
         exact: bool = True,
     ) -> None:
         self.path = path
@@ -152,8 +110,10 @@ class Splice:
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
         self.streaming = body.get("stream") is True
+        self._next = NextLeg(path, body, self.transcript, self.ladder[0], servers, self.asks_ids)
         self._servers = servers
         self._on_handoff = on_handoff
+        self._on_exchange = on_exchange
         self._leg_index = 0
         self._leg_task: asyncio.Future[str | None] | None = None
         self._pending: tuple[str, float] | None = None
@@ -252,22 +212,42 @@ class Splice:
         """Stream one leg into the client. None when the answer is complete, otherwise
         why the leg failed."""
         upstream = self.current
-        first = self._leg_index == 0
-        if first:
+        if self._leg_index == 0:
             path, body, rewriter = self.path, self.raw_body, None
         else:
-            request = await self._continuation(upstream)
+            request = await self._next.request(upstream, self.handoffs[-1])
             self._note(client, self.handoffs[-1])
             if isinstance(request, str):
                 return request
             path, body, rewriter = request
+        exchange = Exchange(
+            upstream.url, "POST", path, sent_headers(upstream, body, self.headers), body,
+            purpose="leg", leg=self._leg_index,
+        )  # fmt: skip
+        try:
+            failure = await self._exchange(client, upstream, path, body, rewriter, exchange)
+        except asyncio.CancelledError:
+            exchange.end("handed off" if self._pending is not None else "cancelled")
+            raise
+        else:
+            exchange.end("complete" if failure is None else "failed", failure)
+        finally:
+            self._on_exchange(exchange)
+        return failure
+
+    async def _exchange(
+        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
+        rewriter: Rewriter | None, exchange: Exchange,
+    ) -> str | None:  # fmt: skip
         try:
             response = await post(upstream, path, body, self.headers)
         except UpstreamError as exc:
             return str(exc)
+        exchange.respond(response.status, response.headers)
+        response.tap = exchange.received
         try:
             if response.status != 200:
-                if first and response.status < 500:
+                if rewriter is None and response.status < 500:
                     # The request itself was refused (bad input): the client gets it as is.
                     client.respond(
                         response.status, forwardable(response.headers), await response.read_all()
@@ -363,64 +343,6 @@ class Splice:
             return None
         return f"{upstream.url} closed the stream mid-answer"
 
-    async def _continuation(self, upstream: Upstream) -> tuple[str, bytes, Rewriter] | str:
-        """The request that continues the answer on `upstream` (path, body and how to
-        rewrite its chunks), or why it cannot take it."""
-        handoff = self.handoffs[-1]
-        native = await self._exact_continuation(upstream)
-        if native is not None:
-            body, rewriter = native
-            path = "/completion"
-            handoff.replay = "token ids"
-        else:
-            body = continuation_body(self.body, self.transcript)
-            info = self._servers.get(upstream) if self._servers else None
-            rewriter = ChunkRewriter(
-                self.transcript, prefill_of(body), info.echoes_prefill if info else None
-            )
-            path = self.path
-            delivered = self.transcript.content or self.transcript.reasoning
-            handoff.replay = "text" if delivered else None
-        if handoff.replay and _seeded_sampling(self.body):
-            handoff.caveat = "the sampling seed starts over on the new server"
-        if (no_room := await self._no_room(upstream, body)) is not None:
-            return no_room
-        return path, json.dumps(body).encode(), rewriter
-
-    async def _exact_continuation(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
-        """A native request that goes on from the delivered token ids, when the ids are
-        known and `upstream` reads them as the first server meant them."""
-        servers = self._servers
-        if not self.asks_ids or servers is None or not self.transcript.content:
-            return None
-        if self.transcript.reasoning:
-            return None  # a native completion would not split reasoning from content
-        if not servers.same_tokenizer(self.ladder[0], upstream):
-            return None
-        if (ids := self.transcript.exact_ids()) is None:
-            return None
-        if (prompt := await servers.render(upstream, self.body)) is None:
-            return None
-        body = native_body(self.body, prompt, ids, self.transcript.produced)
-        usage = (self.body.get("stream_options") or {}).get("include_usage") is True
-        chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
-        return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
-
-    async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
-        """Why `upstream` cannot take this continuation whole, or None if it can (or
-        cannot tell: then it is tried, and a refusal moves on down the ladder)."""
-        if self._servers is None:
-            return None
-        context = self._servers.get(upstream).slot_context
-        if context is None:
-            return None
-        needed = await self._servers.room_needed(upstream, body, context)
-        if needed is None or needed <= context:
-            return None
-        return (
-            f"{upstream.url} has {context} tokens per slot, the rest of this answer needs {needed}"
-        )
-
     def _flush(self, client: ClientStream, out: list[bytes]) -> None:
         if not out:
             return
@@ -429,12 +351,6 @@ class Splice:
             handoff = self.handoffs[-1]
             handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
             self._on_handoff(handoff)
-
-
-def _seeded_sampling(body: dict[str, Any]) -> bool:
-    """A seed promises a reproducible answer; the random state cannot move with it.
-    (llama-server samples at temperature 0.8 unless told otherwise.)"""
-    return body.get("seed") is not None and body.get("temperature", 0.8) != 0
 
 
 def _error_text(error: Any) -> str:

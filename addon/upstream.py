@@ -118,6 +118,7 @@ class Response:
     ) -> None:
         self._reader = reader
         self._writer = writer
+        self.tap: bytearray | None = None  # when set, keeps a copy of the body as read
         self.status = head.status_code
         self.headers = [(k.decode(), v.decode("latin-1")) for k, v in head.headers]
         fields = {k.lower(): v.lower() for k, v in self.headers}
@@ -137,6 +138,8 @@ class Response:
         decoder, data = self._decoder, self._initial
         while True:
             if data and (out := decoder.feed(data)):
+                if self.tap is not None:
+                    self.tap += out
                 yield out
             if decoder.complete:
                 return
@@ -164,6 +167,18 @@ class Response:
         self._writer.transport.abort()
 
 
+def sent_headers(
+    upstream: Upstream, body: bytes, headers: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    return [
+        ("host", upstream.authority),
+        ("content-length", str(len(body))),
+        ("accept-encoding", "identity"),
+        ("connection", "close"),
+        *headers,
+    ]
+
+
 async def post(
     upstream: Upstream,
     path: str,
@@ -180,17 +195,7 @@ async def post(
     except (OSError, TimeoutError) as exc:
         raise UpstreamError(f"cannot connect to {upstream.url}: {exc!r}") from exc
     conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(
-        method="POST",
-        target=path,
-        headers=[
-            ("host", upstream.authority),
-            ("content-length", str(len(body))),
-            ("accept-encoding", "identity"),
-            ("connection", "close"),
-            *headers,
-        ],
-    )
+    request = h11.Request(method="POST", target=path, headers=sent_headers(upstream, body, headers))
     try:
         writer.write(
             conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())

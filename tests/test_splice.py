@@ -386,10 +386,38 @@ def test_recording_keeps_the_stitched_answer(
     stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, 20))
     proxy.stop()
     with flows_file.open("rb") as f:
-        flows = [
-            fl for fl in io.FlowReader(f).stream() if fl.request.path == "/v1/chat/completions"
-        ]
-    (flow,) = flows
+        flows = list(io.FlowReader(f).stream())
+    (flow,) = [fl for fl in flows if "spillover" in fl.metadata]
+    # Each leg is a flow of its own: what the server was asked, what came back, how it ended.
+    legs = {
+        fl.id: fl
+        for fl in flows
+        if (fl.metadata.get("spillover_exchange") or {}).get("leg") is not None
+    }
+    assert list(legs) == flow.metadata["spillover"]["legs"]
+    first, second = legs.values()
+    assert [
+        first.metadata["spillover_exchange"]["outcome"],
+        second.metadata["spillover_exchange"]["outcome"],
+    ] == ["handed off", "complete"]
+    assert first.request.port == primary.port and second.request.port == fallback.port
+    assert all(fl.metadata["spillover_exchange"]["answer"] == flow.id for fl in legs.values())
+    said = RawStream()
+    for line in first.response.content.decode().splitlines():
+        if line:
+            record(said, line)
+    assert said.text.startswith(stream.segments[0])  # the cut leg holds what went out of it
+    # The questions the addon asked the servers at start are flows too.
+    asked = {
+        (fl.request.port, fl.request.path)
+        for fl in flows
+        if (fl.metadata.get("spillover_exchange") or {}).get("purpose") == "question"
+    }
+    assert {
+        (primary.port, "/props"),
+        (fallback.port, "/props"),
+        (fallback.port, "/tokenize"),
+    } <= asked
     assert flow.marked and "handoff" in flow.comment
     assert flow.request.port == primary.port  # shown as sent to the primary
     (record_,) = flow.metadata["spillover"]["handoffs"]

@@ -1,0 +1,44 @@
+"""A handoff: why an answer moved, from where to where, and how it was replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Handoff:
+    reason: str
+    source: str
+    target: str
+    at_token: int
+    at_char: int
+    decided: float
+    asked: bool  # asked for (memory pressure, a person); else the leg failed
+    pause_ms: float | None = None
+    replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
+    caveat: str | None = None  # a promise of the request this handoff cannot keep
+
+    @property
+    def kind(self) -> str:
+        if not self.asked:
+            return "failure"
+        return "pressure" if self.reason.startswith("memory pressure") else "requested"
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {"kind": self.kind} | {k: v for k, v in vars(self).items() if k != "decided"}
+
+    def describe(self) -> str:
+        pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
+        replay = f", replayed as {self.replay}" if self.replay else ""
+        caveat = f"; {self.caveat}" if self.caveat else ""
+        return (
+            f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
+            f"({self.reason}){replay}{pause}{caveat}"
+        )
+
+
+def seeded_sampling(body: dict[str, Any]) -> bool:
+    """A seed promises a reproducible answer; the random state cannot move with it.
+    (llama-server samples at temperature 0.8 unless told otherwise.)"""
+    return body.get("seed") is not None and body.get("temperature", 0.8) != 0

@@ -1,0 +1,92 @@
+"""How the next server on the ladder is asked to go on with an answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
+from addon.exact import NativeRewriter, NativeToChat, Rewriter, native_body
+from addon.handoff import Handoff, seeded_sampling
+from addon.servers import ServerDirectory
+from addon.upstream import Upstream
+
+
+class NextLeg:
+    """Builds continuation requests for one answer: from its token ids when the next
+    server reads them the same way, else from its text; only for a server it fits on."""
+
+    def __init__(
+        self,
+        path: str,
+        body: dict[str, Any],
+        transcript: Transcript,
+        primary: Upstream,
+        servers: ServerDirectory | None,
+        asks_ids: bool,
+    ) -> None:
+        self.path = path
+        self.body = body
+        self.transcript = transcript
+        self.primary = primary
+        self._servers = servers
+        self.asks_ids = asks_ids
+
+    async def request(
+        self, upstream: Upstream, handoff: Handoff
+    ) -> tuple[str, bytes, Rewriter] | str:
+        """The request that continues the answer on `upstream` (path, body and how to
+        rewrite its chunks), or why it cannot take it."""
+        native = await self._exact(upstream)
+        if native is not None:
+            body, rewriter = native
+            path = "/completion"
+            handoff.replay = "token ids"
+        else:
+            body = continuation_body(self.body, self.transcript)
+            info = self._servers.get(upstream) if self._servers else None
+            rewriter = ChunkRewriter(
+                self.transcript, prefill_of(body), info.echoes_prefill if info else None
+            )
+            path = self.path
+            delivered = self.transcript.content or self.transcript.reasoning
+            handoff.replay = "text" if delivered else None
+        if handoff.replay and seeded_sampling(self.body):
+            handoff.caveat = "the sampling seed starts over on the new server"
+        if (no_room := await self._no_room(upstream, body)) is not None:
+            return no_room
+        return path, json.dumps(body).encode(), rewriter
+
+    async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
+        """A native request that goes on from the delivered token ids, when the ids are
+        known and `upstream` reads them as the first server meant them."""
+        servers = self._servers
+        if not self.asks_ids or servers is None or not self.transcript.content:
+            return None
+        if self.transcript.reasoning:
+            return None  # a native completion would not split reasoning from content
+        if not servers.same_tokenizer(self.primary, upstream):
+            return None
+        if (ids := self.transcript.exact_ids()) is None:
+            return None
+        if (prompt := await servers.render(upstream, self.body)) is None:
+            return None
+        body = native_body(self.body, prompt, ids, self.transcript.produced)
+        usage = (self.body.get("stream_options") or {}).get("include_usage") is True
+        chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
+        return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """Why `upstream` cannot take this continuation whole, or None if it can (or
+        cannot tell: then it is tried, and a refusal moves on down the ladder)."""
+        if self._servers is None:
+            return None
+        context = self._servers.get(upstream).slot_context
+        if context is None:
+            return None
+        needed = await self._servers.room_needed(upstream, body, context)
+        if needed is None or needed <= context:
+            return None
+        return (
+            f"{upstream.url} has {context} tokens per slot, the rest of this answer needs {needed}"
+        )
