@@ -156,7 +156,11 @@ class Spillover:
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)
-        flow.metadata["spillover"] = {"ladder": [u.url for u in splice.ladder], "handoffs": []}
+        flow.metadata["spillover"] = {
+            "ladder": [u.url for u in splice.ladder],
+            "handoffs": [],
+            "exact_replay": ctx.options.spillover_exact_replay,
+        }
         request.scheme, request.host, request.port = "http", "127.0.0.1", self.endpoint.port
         request.headers[TOKEN_HEADER] = token
 

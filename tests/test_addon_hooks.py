@@ -11,7 +11,7 @@ from mitmproxy.test import taddons, tflow
 from addon.endpoint import TOKEN_HEADER
 from addon.proxy import Spillover
 from addon.upstream import Upstream
-from tests.fake_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 
 
 def chat_flow(body: dict | bytes, path: str = "/v1/chat/completions", method: str = "POST"):

@@ -11,7 +11,7 @@ import pytest
 
 from scripts.llamaserver import LlamaServer
 from scripts.processes import free_port
-from tests.fake_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk, tool_piece
 from tests.streams import (
     PROMPT,
     assert_one_clean_stream,
@@ -150,16 +150,6 @@ def test_a_constrained_answer_is_not_continued_elsewhere(
     assert stream.notes == [] and stream.segment_tokens[0] >= 29
     (error,) = stream.errors
     assert "bound by response_format" in error["error"]["message"]
-
-
-def tool_piece(index: int, arguments: str, name: str | None = None) -> bytes:
-    piece: dict = {"index": index, "function": {"arguments": arguments}}
-    if name:
-        piece.update(id=f"call-{index}", type="function")
-        piece["function"]["name"] = name
-    choice = {"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}
-    chunk = {"id": "c", "created": 1, "model": "fake", "choices": [choice]}
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 def tool_stream(client: openai.OpenAI):

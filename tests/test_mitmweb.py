@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from mitmproxy import http, io
-from mitmproxy.test import tflow
 from mitmproxy.utils.emoji import emoji
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,9 +25,7 @@ MITMWEB = Path(sys.executable).parent / "mitmweb"
 PASSWORD = "spillover-test"
 SHOT = Path("/tmp/mitmweb-shot.png")
 VIEW = "Spillover SSE"
-PRIMARY, FALLBACK = "http://127.0.0.1:8081", "http://127.0.0.1:8082"
-WORDS = ["The", " river", " bends", " past", " the", " old", " mill", ",", " where", " herons"]
-WORDS2 = [" wait", " for", " the", " evening", " fish", "."]
+RECORDINGS = REPO / "recordings"
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,51 +36,10 @@ def chromium() -> str | None:
     return next((path for name in names if name and (path := shutil.which(name))), None)
 
 
-def _chunk(delta: dict[str, object], finish: str | None = None, **extra: object) -> str:
-    body = {
-        "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
-        "created": 1796038004,
-        "id": "chatcmpl-x",
-        "model": "primary.gguf",
-        "object": "chat.completion.chunk",
-    }
-    return f"data: {json.dumps(body | extra, separators=(',', ':'))}\n\n"
-
-
 def flows_file(path: Path) -> Path:
-    """Write a flows file holding one spliced chat flow, as the addon records it; returns it.
-    (Stands in for a recordings/*.mitm file.)"""
-    handoff = (
-        f"handoff {PRIMARY} -> {FALLBACK} after {len(WORDS)} tokens (requested by POST "
-        "/spillover/handoff), replayed as token ids, first byte after 3.1 ms"
-    )
-    usage = {"prompt_tokens": 9, "completion_tokens": 16, "total_tokens": 25}
-    body = (
-        _chunk({"role": "assistant", "content": None})
-        + "".join(_chunk({"content": word}) for word in WORDS)
-        + f": spillover: {handoff}\n\n"
-        + "".join(_chunk({"content": word}) for word in WORDS2)
-        + _chunk({}, "stop", usage=usage)
-        + "data: [DONE]\n\n"
-    )
-    flow = tflow.tflow(resp=True)
-    flow.request.method = "POST"
-    flow.request.path = "/v1/chat/completions"
-    flow.request.headers["content-type"] = "application/json"
-    flow.request.content = b'{"messages":[{"role":"user","content":"A river?"}],"stream":true}'
-    assert flow.response is not None
-    flow.response.headers["content-type"] = "text/event-stream"
-    flow.response.content = body.encode()
-    flow.marked = ":twisted_rightwards_arrows:"
-    flow.comment = f"spillover: {handoff}"
-    flow.metadata["spillover"] = {
-        "ladder": [PRIMARY, FALLBACK],
-        "handoffs": [
-            {"kind": "requested", "source": PRIMARY, "target": FALLBACK, "at_token": len(WORDS)}
-        ],
-    }
-    with path.open("wb") as file:
-        io.FlowWriter(file).add(flow)
+    """A real recorded session (scripts/record.py): a requested handoff, its legs and the
+    questions the addon asked its servers."""
+    shutil.copyfile(RECORDINGS / "requested.mitm", path)
     return path
 
 

@@ -18,7 +18,7 @@ from addon.servers import MARKER
 from scripts.llamaserver import LlamaServer
 from scripts.mitm import Mitmdump
 from scripts.processes import free_port
-from tests.fake_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from tests.streams import (
     PROMPT,
     RawStream,

@@ -21,7 +21,7 @@ from addon.continuation import (
 from addon.exact import NativeToChat, native_body
 from addon.toolcalls import ToolCallHold
 from addon.upstream import ChunkedBody, LengthBody, UpstreamError
-from tests.fake_upstream import chunked, sse_chunk
+from scripts.scripted_upstream import chunked, sse_chunk
 
 STREAM = (
     sse_chunk(role=True) + sse_chunk(" the") + b": ping\n\n" + sse_chunk(" river")

@@ -1,5 +1,6 @@
 """A scripted HTTP upstream, for what a real llama-server cannot do on demand: an in-band
-error event, a 503 before any byte, garbage bytes, a stall. Each test that uses it says so."""
+error event, a 503 before any byte, garbage bytes, a stall, a tool call from a tiny model.
+Each test and recording that uses it says so."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def sse_chunk(content: str | None = None, finish: str | None = None, role: bool 
     }
     # Raw UTF-8, as llama-server writes it.
     return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+def tool_piece(index: int, arguments: str, name: str | None = None) -> bytes:
+    """A chunk carrying one piece of a streamed tool call, as llama-server sends them."""
+    piece: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if name is not None:
+        piece |= {"id": f"call-{index}", "type": "function"}
+        piece["function"]["name"] = name
+    choice = {"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}
+    chunk = {"id": "c", "created": 1, "model": "fake", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 def chunked(*parts: bytes) -> bytes:

@@ -1,0 +1,231 @@
+"""Record one session per kind of handoff into recordings/, for replay as a regression suite.
+
+Real llama-servers on the tiny models throughout, except where a real server cannot do
+the thing on demand: the in-band error and the tool call come from a scripted upstream
+(scripts/scripted_upstream.py); recordings/README.md says which is which.
+
+    .venv/bin/python -m scripts.record [recordings/] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from mitmproxy import io
+
+from scripts.llamaserver import LlamaServer
+from scripts.memfiles import FakeCard
+from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.processes import free_port, running
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk, tool_piece
+from scripts.tinymodels import ensure_models, reasoning_template
+
+PROMPT = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]
+# One client kept open: making one per request costs ~50 ms (its TLS context), long
+# enough for a tiny model to finish the answer before the handoff arrives.
+CONTROL = httpx.Client()
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def chat(max_tokens: int, **extra) -> dict:
+    return {
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+        **extra,
+    }
+
+
+class Recorder:
+    def __init__(self, out: Path, work: Path) -> None:
+        self.out = out
+        self.work = work
+        self.models = ensure_models(work / "models")
+
+    def server(self, model: str = "primary", **kwargs) -> LlamaServer:
+        return LlamaServer(self.models[model], log_dir=self.work, **kwargs)
+
+    @contextmanager
+    def proxy(
+        self, name: str, primary: str, fallbacks: list[str], options=()
+    ) -> Iterator[Mitmdump]:
+        path = self.out / f"{name}.mitm"
+        path.unlink(missing_ok=True)
+        options = [f"save_stream_file={path}", *options]
+        mitm = Mitmdump(primary, fallbacks, options=options, log_dir=self.work)
+        with running(mitm):
+            until_known(mitm)
+            yield mitm
+        print(f"{path}: {path.stat().st_size / 1000:.1f} kB")
+
+
+def until_known(proxy: Mitmdump) -> None:
+    """Start-up questions first, so they are in the recording before the answer."""
+    for _ in range(200):
+        servers = httpx.get(f"{proxy.url}/spillover/status").json()["servers"]
+        if len(servers) == 1 + len(proxy.fallbacks):
+            return
+        time.sleep(0.02)
+
+
+def stream(proxy: Mitmdump, body: dict, on_chunk: Callable[[int, int], None] | None = None) -> None:
+    """Stream an answer; `on_chunk(chunks, notes)` after each chunk: how many chunks came
+    since the last handoff note, and how many notes came."""
+    chunks = notes = 0
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                chunks, notes = 0, notes + 1
+            elif line.startswith("data: {"):
+                chunks += 1
+                if on_chunk is not None:
+                    on_chunk(chunks, notes)
+
+
+def handoff_after(proxy: Mitmdump, *counts: int) -> Callable[[int, int], None]:
+    """Ask for a handoff after counts[0] chunks, then counts[1] chunks after that, ..."""
+
+    def on_chunk(chunks: int, notes: int) -> None:
+        if notes < len(counts) and chunks == counts[notes]:
+            reason = {"reason": "asked for by the recorder"}
+            CONTROL.post(f"{proxy.url}/spillover/handoff", json=reason)
+
+    return on_chunk
+
+
+def no_handoff(rec: Recorder) -> None:
+    primary, fallback = rec.server(), rec.server("fallback")
+    with running(primary, fallback), rec.proxy("no-handoff", primary.url, [fallback.url]) as p:
+        stream(p, chat(24))
+
+
+def requested(rec: Recorder) -> None:
+    primary, fallback = rec.server(), rec.server("fallback")
+    with running(primary, fallback), rec.proxy("requested", primary.url, [fallback.url]) as p:
+        stream(p, chat(64), handoff_after(p, 4))
+
+
+def pressure(rec: Recorder) -> None:
+    sysfs = rec.work / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    primary, fallback = rec.server(), rec.server("fallback")
+    with running(primary, fallback):
+        watch = watch_sysfs(sysfs, {primary.url: "drm:card0", fallback.url: "drm:card1"})
+        with rec.proxy("pressure", primary.url, [fallback.url], watch) as p:
+            stream(p, chat(160), lambda n, _: n == 4 and card0.set_used(15041))
+
+
+def primary_killed(rec: Recorder) -> None:
+    primary, fallback = rec.server(), rec.server("fallback")
+    with running(primary, fallback), rec.proxy("primary-killed", primary.url, [fallback.url]) as p:
+        stream(p, chat(64), lambda n, _: n == 4 and primary.kill())
+
+
+def inband_error(rec: Recorder) -> None:
+    error = {"error": {"code": 500, "message": "out of memory", "type": "server_error"}}
+    primary = FakeUpstream([(
+        STREAM_HEAD + chunked(
+            sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"),
+            b"data: " + json.dumps(error).encode() + b"\n\n",
+        ) + b"0\r\n\r\n", 0,
+    )])  # fmt: skip
+    fallback = rec.server("fallback")
+    with running(fallback), rec.proxy("inband-error", primary.url, [fallback.url]) as p:
+        stream(p, chat(24))
+    primary.close()
+
+
+def before_first_token(rec: Recorder) -> None:
+    fallback = rec.server("fallback")
+    dead = f"http://127.0.0.1:{free_port()}"
+    with running(fallback), rec.proxy("before-first-token", dead, [fallback.url]) as p:
+        stream(p, chat(24))
+
+
+def chained_ladder(rec: Recorder) -> None:
+    servers = rec.server(), rec.server("fallback"), rec.server("fallback")
+    urls = [s.url for s in servers]
+    with running(*servers), rec.proxy("chained-ladder", urls[0], urls[1:]) as p:
+        stream(p, chat(96), handoff_after(p, 4, 4))
+
+
+def reasoning(rec: Recorder) -> None:
+    template = str(reasoning_template(rec.work))
+    args = ["--chat-template-file", template, "--ubatch-size", "32"]
+    primary, fallback = rec.server(extra_args=args), rec.server(extra_args=args)
+    with running(primary, fallback), rec.proxy("reasoning", primary.url, [fallback.url]) as p:
+        close = httpx.post(f"{primary.url}/tokenize", json={"content": "</think>"}).json()
+        bias = {str(close["tokens"][0]): 12.75}  # closes its reasoning after 33 tokens
+        stream(p, chat(60, logit_bias=bias), handoff_after(p, 4))
+
+
+def tool_call(rec: Recorder) -> None:
+    """Scripted primary and fallback: the tiny models do not call tools."""
+    cut = chunked(sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"))
+    primary = FakeUpstream([(STREAM_HEAD + cut, 0.2)])
+    fallback = FakeUpstream([(
+        STREAM_HEAD + chunked(
+            sse_chunk(role=True), tool_piece(0, '{"a": ', name="g"), tool_piece(0, "2}"),
+            sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
+        ) + b"0\r\n\r\n", 0,
+    )])  # fmt: skip
+    with rec.proxy("tool-call", primary.url, [fallback.url]) as p:
+        stream(p, chat(20, tools=TOOLS))
+    primary.close()
+    fallback.close()
+
+
+# Each scenario, and how many handoffs its answer must have had.
+SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
+    "no-handoff": (no_handoff, 0),
+    "requested": (requested, 1),
+    "pressure": (pressure, 1),
+    "primary-killed": (primary_killed, 1),
+    "inband-error": (inband_error, 1),
+    "before-first-token": (before_first_token, 1),
+    "chained-ladder": (chained_ladder, 2),
+    "reasoning": (reasoning, 1),
+    "tool-call": (tool_call, 1),
+}
+ATTEMPTS = 5
+
+
+def handoffs_in(path: Path) -> list[int]:
+    with path.open("rb") as f:
+        flows = [flow for flow in io.FlowReader(f).stream() if "spillover" in flow.metadata]
+    return [len(flow.metadata["spillover"]["handoffs"]) for flow in flows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, nargs="?", default=Path("recordings"))
+    parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="spillover-record-"))
+    recorder = Recorder(args.out.resolve(), work)
+    for name, (scenario, handoffs) in SCENARIOS.items():
+        if args.only is not None and name not in args.only:
+            continue
+        # A handoff asked for while the tiny models stream thousands of tokens a second
+        # can arrive after the answer ended: then the session is recorded again.
+        for _ in range(ATTEMPTS):
+            scenario(recorder)
+            if handoffs_in(args.out / f"{name}.mitm") == [handoffs]:
+                break
+        else:
+            raise SystemExit(f"{name}: no session with {handoffs} handoffs in {ATTEMPTS} tries")
+
+
+if __name__ == "__main__":
+    main()

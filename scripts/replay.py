@@ -1,0 +1,236 @@
+"""Replay recorded sessions through the current addon, with no llama-server anywhere.
+
+For each answer in a recording (a `-w` file the addon wrote), every upstream server is
+played by a stand-in that answers from the recorded legs and questions
+(`scripts/replayserver.py`); the current addon runs in a real mitmdump in front of them;
+the client's request is sent again; each asked-for handoff is asked for again once the
+answer has reached the recorded cut. The client's stream must come out as recorded
+(ids, timestamps and pause times aside), and each leg request as recorded.
+
+    .venv/bin/python -m scripts.replay recordings/*.mitm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from mitmproxy import http, io
+
+from scripts.mitm import Mitmdump
+from scripts.processes import free_port
+from scripts.replayserver import ReplayServer, request_difference
+
+VOLATILE = ("id", "created", "system_fingerprint", "timings")
+PAUSE = re.compile(r", first byte after [0-9.]+ ms")
+
+
+@dataclass
+class Outcome:
+    recording: str
+    answer: str
+    differences: list[str] = field(default_factory=list)
+
+    @property
+    def same(self) -> bool:
+        return not self.differences
+
+
+def read_flows(path: Path) -> list[http.HTTPFlow]:
+    with path.open("rb") as f:
+        return [flow for flow in io.FlowReader(f).stream() if isinstance(flow, http.HTTPFlow)]
+
+
+def replay_file(path: Path, log_dir: Path | None = None) -> list[Outcome]:
+    flows = read_flows(path)
+    answers = [f for f in flows if "spillover" in f.metadata and f.response is not None]
+    return [asyncio.run(_replay_answer(path, answer, flows, log_dir)) for answer in answers]
+
+
+async def _replay_answer(
+    path: Path, answer: http.HTTPFlow, flows: list[http.HTTPFlow], log_dir: Path | None
+) -> Outcome:
+    outcome = Outcome(path.name, answer.id)
+    meta = answer.metadata["spillover"]
+    ladder: list[str] = meta["ladder"]
+    legs = {leg_id: i for i, leg_id in enumerate(meta.get("legs", []))}
+    exchanges = [
+        f
+        for f in flows
+        if "spillover_exchange" in f.metadata
+        and f.metadata["spillover_exchange"].get("answer") in (None, answer.id)
+        and (f.id in legs or f.metadata["spillover_exchange"]["purpose"] == "question")
+    ]
+    servers, urls = await _stand_ins(ladder, exchanges)
+    options = [
+        "spillover_watch=false",
+        f"spillover_exact_replay={str(meta.get('exact_replay', True)).lower()}",
+    ]
+    proxy = Mitmdump(
+        urls[ladder[0]], [urls[u] for u in ladder[1:]], options=options, log_dir=log_dir
+    )
+    await asyncio.to_thread(proxy.start)
+    try:
+        await _until_known(proxy, [urls[u] for u in ladder])
+        body = await _replay_request(proxy, answer, meta, servers, outcome)
+    finally:
+        await asyncio.to_thread(proxy.stop)
+        for server in servers.values():
+            await server.stop()
+    back = {new: old for old, new in urls.items()}
+    _compare(answer, body, back, outcome)
+    for server in servers.values():
+        outcome.differences += filter(None, map(request_difference, server.exchanges))
+    return outcome
+
+
+async def _stand_ins(
+    ladder: list[str], exchanges: list[http.HTTPFlow]
+) -> tuple[dict[str, ReplayServer], dict[str, str]]:
+    """A stand-in per recorded server, and where each recorded URL now lives. A server
+    that refused every connection gets a port nothing listens on."""
+    servers: dict[str, ReplayServer] = {}
+    urls: dict[str, str] = {}
+    for url in dict.fromkeys(
+        [*ladder, *(f.metadata["spillover_exchange"]["server"] for f in exchanges)]
+    ):
+        mine = [f for f in exchanges if f.metadata["spillover_exchange"]["server"] == url]
+        refused = all(
+            f.response is None and "onnect" in (f.error.msg if f.error else "") for f in mine
+        )
+        if refused:
+            urls[url] = f"http://127.0.0.1:{free_port()}"
+            continue
+        servers[url] = ReplayServer(mine)
+        await servers[url].start()
+        urls[url] = f"http://127.0.0.1:{servers[url].port}"
+    return servers, urls
+
+
+async def _until_known(proxy: Mitmdump, urls: list[str], timeout: float = 10) -> None:
+    """The addon asks each server about itself at start; wait until it has its answers."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            status = (await client.get(f"{proxy.url}/spillover/status")).json()
+            if all(url in status["servers"] for url in urls):
+                return
+            await asyncio.sleep(0.02)
+
+
+async def _replay_request(
+    proxy: Mitmdump,
+    answer: http.HTTPFlow,
+    meta: dict,
+    servers: dict[str, ReplayServer],
+    outcome: Outcome,
+) -> bytes:
+    request = answer.request
+    headers = {
+        k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")
+    }
+    async with httpx.AsyncClient(timeout=30) as client:
+        send = client.post(f"{proxy.url}{request.path}", content=request.content, headers=headers)
+        reply = asyncio.ensure_future(send)
+        asked = [h for h in meta["handoffs"] if h["asked"]]
+        cut_legs = [
+            r
+            for s in servers.values()
+            for r in s.exchanges
+            if r.meta["purpose"] == "leg" and r.meta["outcome"] == "handed off"
+        ]
+        cut_legs.sort(key=lambda r: r.meta["leg"])
+        for handoff, leg in zip(asked, cut_legs, strict=False):
+            await _ask_at_the_cut(client, proxy, handoff, leg, outcome)
+        response = await reply
+    return response.content
+
+
+async def _ask_at_the_cut(client, proxy, handoff: dict, leg, outcome: Outcome) -> None:
+    """Once the cut leg's recorded bytes are out and the addon has passed on as many
+    tokens as it had then, ask for the handoff as it was asked for then."""
+    try:
+        await asyncio.wait_for(leg.sent.wait(), 10)
+    except TimeoutError:
+        outcome.differences.append(f"leg {leg.meta['leg']} was never asked for")
+        return
+    deadline = time.monotonic() + 5
+    tokens = None
+    while time.monotonic() < deadline:
+        live = (await client.get(f"{proxy.url}/spillover/status")).json()["live"]
+        tokens = live[0]["tokens"] if live else None
+        if tokens == handoff["at_token"]:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        outcome.differences.append(
+            f"the answer stood at {tokens} tokens, not {handoff['at_token']}, at the cut"
+        )
+    await client.post(f"{proxy.url}/spillover/handoff", json={"reason": handoff["reason"]})
+
+
+def _normalized(data: bytes, back: dict[str, str]) -> list:
+    """The events of a stream (or a whole JSON answer) without what may differ."""
+    text = data.decode("utf-8", "replace")
+    for new, old in back.items():
+        text = text.replace(new, old).replace(
+            f"'127.0.0.1', {new.rsplit(':', 1)[1]}", f"'127.0.0.1', {old.rsplit(':', 1)[1]}"
+        )
+    text = PAUSE.sub("", text)
+    events: list = []
+    for event in text.split("\n\n") if "data:" in text else [text]:
+        event = event.strip()
+        if not event:
+            continue
+        payload = event[5:].strip() if event.startswith("data:") else event
+        try:
+            parsed = json.loads(payload)
+        except ValueError:
+            events.append(event)
+            continue
+        if isinstance(parsed, dict):
+            for key in VOLATILE:
+                parsed.pop(key, None)
+            for leg in (parsed.get("usage") or {}).get("spillover", {}).get("legs", []):
+                leg.pop("prompt_tokens", None)
+        events.append(parsed)
+    return events
+
+
+def _compare(answer: http.HTTPFlow, body: bytes, back: dict[str, str], outcome: Outcome) -> None:
+    recorded = _normalized(answer.response.content or b"", {})
+    replayed = _normalized(body, back)
+    for index, (old, new) in enumerate(zip(recorded, replayed, strict=False)):
+        if old != new:
+            outcome.differences.append(f"event {index}: recorded {old!r}, replayed {new!r}")
+            return
+    if len(recorded) != len(replayed):
+        outcome.differences.append(f"{len(recorded)} events recorded, {len(replayed)} replayed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recordings", nargs="+", type=Path)
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="spillover-replay-"))
+    failed = 0
+    for path in args.recordings:
+        for outcome in replay_file(path, logs):
+            verdict = "same stream" if outcome.same else "DIFFERENT"
+            print(f"{outcome.recording}: {verdict}")
+            for difference in outcome.differences:
+                print(f"    {difference}")
+            failed += not outcome.same
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
