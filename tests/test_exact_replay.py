@@ -69,14 +69,14 @@ def cut_and_replay(stream) -> tuple[int, str]:
     return int(at), replay
 
 
-def random_cuts(proxy: Mitmdump, body: dict, count: int, seed: int) -> list:
+def random_cuts(proxy: Mitmdump, body: dict, count: int, seed: int, hold) -> list:
     """Streams of `body` through the proxy, each handed off at a random point, until
     `count` of them were really cut (a handoff that arrives after the primary's last
     token has nothing to cut)."""
     rng = random.Random(seed)
     cut = []
     for _ in range(2 * count):
-        on_chunk = handoff_after(proxy, rng.randint(1, ANSWER - 24))
+        on_chunk = handoff_after(proxy, rng.randint(1, ANSWER - 24), hold=hold)
         stream = read_stream(proxy.url, body, on_chunk=on_chunk)
         assert_one_clean_stream(stream)
         if stream.notes:
@@ -95,7 +95,7 @@ def test_same_model_any_cut_gives_the_uninterrupted_answer(twins) -> None:
     retokenized = httpx.post(f"{first.url}/tokenize", json={"content": whole}).json()["tokens"]
     assert len(retokenized) < ANSWER  # the model's own tokens are not what its tokenizer makes
     cuts = []
-    for stream in random_cuts(proxy, body, CUTS, seed=20261130):
+    for stream in random_cuts(proxy, body, CUTS, seed=20261130, hold=first):
         at, replay = cut_and_replay(stream)
         assert replay == "token ids"
         assert stream.text == whole, f"cut after {at} tokens"
@@ -114,7 +114,7 @@ def test_replaying_text_instead_drifts_at_some_cuts(start_server, start_proxy) -
     wait_until_known(proxy, [first.url, second.url])
     body = chat_body(ANSWER, logit_bias=fragment_bias(first.url))
     whole = direct_text(first.url, ANSWER, logit_bias=body["logit_bias"])
-    streams = random_cuts(proxy, body, 30, seed=20261130)
+    streams = random_cuts(proxy, body, 30, seed=20261130, hold=first)
     assert all(cut_and_replay(stream)[1] == "text" for stream in streams)
     drifted = [stream for stream in streams if stream.text != whole]
     assert drifted, "text replay never drifted: this test would not notice ids being ignored"
@@ -151,9 +151,8 @@ def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) 
     stop = " " + whole.split()[-6]  # a word late in the answer, after the cut
     expected = direct_text(first.url, ANSWER, stop=[stop])
     assert len(expected) < len(whole)
-    stream = read_stream(
-        proxy.url, chat_body(ANSWER, stop=[stop]), on_chunk=handoff_after(proxy, 8)
-    )
+    on_chunk = handoff_after(proxy, 8, hold=first)
+    stream = read_stream(proxy.url, chat_body(ANSWER, stop=[stop]), on_chunk=on_chunk)
     assert_one_clean_stream(stream)
     assert cut_and_replay(stream)[1] == "token ids"
     assert stream.text == expected and stream.finishes == ["stop"]

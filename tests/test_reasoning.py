@@ -66,7 +66,8 @@ def test_reasoning_cut_midway_goes_on_and_the_content_follows_in_its_field(
     uninterrupted answer."""
     first, _, proxy, body = thinkers
     whole = answer(first.url, body(LONG_THOUGHT))
-    stream = read_stream(proxy.url, body(LONG_THOUGHT), on_chunk=handoff_after(proxy, cut_after))
+    on_chunk = handoff_after(proxy, cut_after, hold=first)
+    stream = read_stream(proxy.url, body(LONG_THOUGHT), on_chunk=on_chunk)
     assert_one_clean_stream(stream)
     assert "replayed as text" in stream.notes[0]
     assert stream.segments[0] == "" and stream.thoughts[0], "cut while the primary reasoned"
@@ -83,7 +84,8 @@ def test_content_after_reasoning_goes_on_without_restating_the_reasoning(thinker
     reasoning_tokens = sum(
         1 for c in thinking.chunks if c["choices"][0]["delta"].get("reasoning_content")
     )
-    stream = read_stream(proxy.url, request, on_chunk=handoff_after(proxy, reasoning_tokens + 4))
+    on_chunk = handoff_after(proxy, reasoning_tokens + 4, hold=first)
+    stream = read_stream(proxy.url, request, on_chunk=on_chunk)
     assert_one_clean_stream(stream)
     assert stream.thoughts == [whole["reasoning"], ""]  # all from the primary, said once
     said = stream.segments[0]

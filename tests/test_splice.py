@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -46,12 +50,28 @@ def handoff(proxy: Mitmdump, **args) -> int:
     return CONTROL.post(f"{proxy.url}/spillover/handoff", json=args).json()["handed_off"]
 
 
-def handoff_after(proxy: Mitmdump, chunks: int):
+def handoff_after(proxy: Mitmdump, chunks: int, hold: LlamaServer | None = None):
+    """Ask for a handoff once the client has `chunks` chunks. With `hold`, that server is
+    stopped (SIGSTOP) while the handoff is asked for, so the cut lands right there even
+    when a loaded machine is slow to pass the request on."""
+
     def on_chunk(n: int) -> None:
         if n == chunks:
-            handoff(proxy, reason="test pressure")
+            with held(hold):
+                handoff(proxy, reason="test pressure")
 
     return on_chunk
+
+
+@contextmanager
+def held(server: LlamaServer | None) -> Iterator[None]:
+    if server is not None:
+        os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if server is not None:
+            os.kill(server.pid, signal.SIGCONT)
 
 
 def test_other_traffic_passes_through_untouched(proxy: Mitmdump, primary: LlamaServer) -> None:
@@ -369,7 +389,8 @@ def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
     for thread in threads:
         thread.start()
     ready.wait()
-    assert handoff(proxy) == 16
+    with held(primary):  # no stream may finish while the handoff is on its way
+        assert handoff(proxy) == 16
     for thread in threads:
         thread.join()
     for stream in streams:
