@@ -152,6 +152,14 @@ def before_first_token(rec: Recorder) -> None:
         stream(p, chat(24))
 
 
+def whole_answer(rec: Recorder) -> None:
+    """A non-streaming request whose primary is down: answered whole by the fallback."""
+    fallback = rec.server("fallback")
+    dead = f"http://127.0.0.1:{free_port()}"
+    with running(fallback), rec.proxy("whole-answer", dead, [fallback.url]) as p:
+        httpx.post(f"{p.url}/v1/chat/completions", json=chat(24, stream=False), timeout=60)
+
+
 def chained_ladder(rec: Recorder) -> None:
     servers = rec.server(), rec.server("fallback"), rec.server("fallback")
     urls = [s.url for s in servers]
@@ -193,6 +201,7 @@ SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
     "primary-killed": (primary_killed, 1),
     "inband-error": (inband_error, 1),
     "before-first-token": (before_first_token, 1),
+    "whole-answer": (whole_answer, 1),
     "chained-ladder": (chained_ladder, 2),
     "reasoning": (reasoning, 1),
     "tool-call": (tool_call, 1),

@@ -80,13 +80,13 @@ async def _replay_answer(
     await asyncio.to_thread(proxy.start)
     try:
         await _until_known(proxy, [urls[u] for u in ladder])
-        body = await _replay_request(proxy, answer, meta, servers, outcome)
+        response = await _replay_request(proxy, answer, meta, servers, outcome)
     finally:
         await asyncio.to_thread(proxy.stop)
         for server in servers.values():
             await server.stop()
     back = {new: old for old, new in urls.items()}
-    _compare(answer, body, back, outcome)
+    _compare(answer, response, back, outcome)
     for server in servers.values():
         outcome.differences += filter(None, map(request_difference, server.exchanges))
     return outcome
@@ -132,7 +132,7 @@ async def _replay_request(
     meta: dict,
     servers: dict[str, ReplayServer],
     outcome: Outcome,
-) -> bytes:
+) -> httpx.Response:
     request = answer.request
     headers = {
         k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")
@@ -151,7 +151,7 @@ async def _replay_request(
         for handoff, leg in zip(asked, cut_legs, strict=False):
             await _ask_at_the_cut(client, proxy, handoff, leg, outcome)
         response = await reply
-    return response.content
+    return response
 
 
 async def _ask_at_the_cut(client, proxy, handoff: dict, leg, outcome: Outcome) -> None:
@@ -205,9 +205,22 @@ def _normalized(data: bytes, back: dict[str, str]) -> list:
     return events
 
 
-def _compare(answer: http.HTTPFlow, body: bytes, back: dict[str, str], outcome: Outcome) -> None:
+def _compare(
+    answer: http.HTTPFlow, response: httpx.Response, back: dict[str, str], outcome: Outcome
+) -> None:
+    assert answer.response is not None
+    if answer.response.status_code != response.status_code:
+        outcome.differences.append(
+            f"status {answer.response.status_code} recorded, {response.status_code} replayed"
+        )
+    notes = [
+        _normalized(r.headers.get("x-spillover-handoff", "").encode(), urls)
+        for r, urls in ((answer.response, {}), (response, back))
+    ]
+    if notes[0] != notes[1]:
+        outcome.differences.append(f"x-spillover-handoff: recorded {notes[0]}, replayed {notes[1]}")
     recorded = _normalized(answer.response.content or b"", {})
-    replayed = _normalized(body, back)
+    replayed = _normalized(response.content, back)
     for index, (old, new) in enumerate(zip(recorded, replayed, strict=False)):
         if old != new:
             outcome.differences.append(f"event {index}: recorded {old!r}, replayed {new!r}")

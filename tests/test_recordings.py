@@ -45,11 +45,13 @@ def test_the_recordings_cover_every_kind_of_handoff() -> None:
                 kinds.add("in-band error")
             if any("closed" in h["reason"] for h in meta["handoffs"]):
                 kinds.add("died mid-answer")
+            if answer.response.headers.get("x-spillover-handoff"):
+                kinds.add("whole answer")
             for kind in kinds:
                 seen.setdefault(kind, set()).add(path.stem)
     wanted = {
         "none", "requested", "pressure", "failure", "chain", "reasoning", "tool call",
-        "before the first token", "in-band error", "died mid-answer",
+        "before the first token", "in-band error", "died mid-answer", "whole answer",
     }  # fmt: skip
     assert wanted <= set(seen), sorted(wanted - set(seen))
 
