@@ -94,7 +94,9 @@ def as_flow(exchange: Exchange, answer: http.HTTPFlow | None = None) -> http.HTT
             timestamp_start=exchange.started,
             timestamp_end=exchange.ended or exchange.started,
         )
-    if exchange.outcome != "complete" and exchange.error:
+    elif exchange.error:
+        # Only without a response: mitmproxy replays a loaded flow's response and error
+        # as two events, and would save it twice. The comment and metadata say why anyway.
         flow.error = mflow.Error(exchange.error, exchange.ended)
     meta = exchange.metadata()
     if answer is not None:

@@ -131,10 +131,12 @@ class Spillover:
         return targets
 
     def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.error is not None or _recorded(flow):
+            return  # answered already: a flow read from a file (-r), or another addon's
         if flow.request.path.startswith(CONTROL_PREFIX) and ctx.options.spillover_control:
             self._control(flow)
             return
-        if not self.endpoint.running or flow.response is not None:
+        if not self.endpoint.running:
             return
         body = spliceable_body(flow.request)
         if body is None:
@@ -275,6 +277,11 @@ class Spillover:
             ],
             **{name: part() for name, part in self.status_parts.items()},
         }
+
+
+def _recorded(flow: http.HTTPFlow) -> bool:
+    """A flow this addon made or carried before, read back from a recording."""
+    return "spillover" in flow.metadata or "spillover_exchange" in flow.metadata
 
 
 def _json(status: int, payload: Any) -> http.Response:

@@ -4,11 +4,14 @@ with no llama-server; and a replay notices when something differs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mitmproxy import io
 
+from scripts.mitm import ADDON
 from scripts.replay import read_flows, replay_file
 
 RECORDINGS = sorted((Path(__file__).resolve().parent.parent / "recordings").glob("*.mitm"))
@@ -92,3 +95,23 @@ def test_a_replay_notices_a_leg_asked_differently(tmp_path: Path) -> None:
     rewrite(Path(RECORDINGS[0]).with_name("requested.mitm"), changed, limit_changed)
     (outcome,) = replay_file(changed, tmp_path)
     assert outcome.differences == ["leg 1 request differs in n_predict"]
+
+
+def test_reading_a_recording_with_the_addon_loaded_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """`mitmweb -s addon/spillover.py -r FILE` runs every flow read through the addon's
+    hooks: recorded answers, legs and control requests must not be carried again."""
+    mitmdump = Path(sys.executable).parent / "mitmdump"
+    for path in RECORDINGS:
+        out = tmp_path / path.name
+        subprocess.run(
+            [str(mitmdump), "-n", "-q", "-r", str(path), "-s", str(ADDON), "-w", str(out),
+             "--set", "spillover_watch=false"],
+            check=True, timeout=60,
+        )  # fmt: skip
+        before, after = read_flows(path), read_flows(out)
+        assert [f.id for f in after] == [f.id for f in before], path.name
+        for old, new in zip(before, after, strict=True):
+            assert (old.response and old.response.content) == (
+                new.response and new.response.content
+            )
+            assert old.metadata == new.metadata and old.comment == new.comment
