@@ -61,7 +61,7 @@ async def _replay_answer(
     outcome = Outcome(path.name, answer.id)
     meta = answer.metadata["spillover"]
     ladder: list[str] = meta["ladder"]
-    legs = {leg_id: i for i, leg_id in enumerate(meta.get("legs", []))}
+    legs = set(meta.get("legs", []))
     exchanges = [
         f
         for f in flows
@@ -103,9 +103,7 @@ async def _stand_ins(
         [*ladder, *(f.metadata["spillover_exchange"]["server"] for f in exchanges)]
     ):
         mine = [f for f in exchanges if f.metadata["spillover_exchange"]["server"] == url]
-        refused = all(
-            f.response is None and "onnect" in (f.error.msg if f.error else "") for f in mine
-        )
+        refused = all(f.response is None and _refused(f) for f in mine)
         if refused:
             urls[url] = f"http://127.0.0.1:{free_port()}"
             continue
@@ -113,6 +111,12 @@ async def _stand_ins(
         await servers[url].start()
         urls[url] = f"http://127.0.0.1:{servers[url].port}"
     return servers, urls
+
+
+def _refused(flow: http.HTTPFlow) -> bool:
+    """The connection itself was refused (the addon's own words, or httpx's)."""
+    message = flow.error.msg if flow.error else ""
+    return "cannot connect" in message or "ConnectError" in message
 
 
 async def _until_known(proxy: Mitmdump, urls: list[str], timeout: float = 10) -> None:
@@ -199,8 +203,6 @@ def _normalized(data: bytes, back: dict[str, str]) -> list:
         if isinstance(parsed, dict):
             for key in VOLATILE:
                 parsed.pop(key, None)
-            for leg in (parsed.get("usage") or {}).get("spillover", {}).get("legs", []):
-                leg.pop("prompt_tokens", None)
         events.append(parsed)
     return events
 
