@@ -42,13 +42,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# The mitmweb screenshot test drives a real browser: Debian's chromium (playwright's own
-# browser download needs the internet). Installed when we may; otherwise that test skips.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "setup: installing chromium for the mitmweb screenshot test"
-    apt-get install -y -q chromium fonts-noto-color-emoji >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q chromium fonts-noto-color-emoji >/dev/null; } \
-        || echo "setup: could not install chromium: the mitmweb test skips (and fails on CI)" >&2
-fi
-
 .venv/bin/python -m scripts.llamabin >/dev/null
