@@ -126,14 +126,10 @@ def overhead(quick: bool, work: Path) -> None:
 
 
 def wait_for_tokenizers(proxy: Mitmdump) -> None:
-    """The addon asks its servers about themselves in the background at start."""
-    urls = [proxy.primary, *proxy.fallbacks]
-    for _ in range(200):
-        servers = httpx.get(f"{proxy.url}/spillover/status").json()["servers"]
-        if all((servers.get(u) or {}).get("tokenizer") for u in urls):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the addon never learned the tokenizers of {urls}")
+    """Token ids are asked for only once the addon knows both tokenizers."""
+    servers = proxy.servers_known()
+    if not all(info.get("tokenizer") for info in servers.values()):
+        raise RuntimeError(f"the addon learned no tokenizer for some of {list(servers)}")
 
 
 def handoff_pause(proxy: Mitmdump, control: httpx.Client, cut: int = 100) -> tuple[float, float]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from scripts.processes import ManagedProcess
+import httpx
+
+from scripts.processes import ManagedProcess, ServerFailed
 
 REPO = Path(__file__).resolve().parent.parent
 ADDON = REPO / "addon" / "spillover.py"
@@ -44,6 +48,18 @@ class Mitmdump(ManagedProcess):
         self.options = list(options)
         # With the addon, its control route answers; plain mitmdump proxies /health.
         self.health_path = "/spillover/status" if addon else "/health"
+
+    def servers_known(self, timeout: float = 10) -> dict[str, Any]:
+        """Wait until the addon has asked each of its servers about itself (it does so in
+        the background at start); returns what it learned, by server URL."""
+        urls = [self.primary, *self.fallbacks]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            servers = httpx.get(f"{self.url}/spillover/status").json()["servers"]
+            if all(url in servers for url in urls):
+                return servers
+            time.sleep(0.02)
+        raise ServerFailed(f"the addon never heard back from {urls}")
 
     def argv(self) -> list[str]:
         argv = [

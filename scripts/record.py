@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,18 +62,9 @@ class Recorder:
         options = [f"save_stream_file={path}", *options]
         mitm = Mitmdump(primary, fallbacks, options=options, log_dir=self.work)
         with running(mitm):
-            until_known(mitm)
+            mitm.servers_known()  # start-up questions first, before the answer
             yield mitm
         print(f"{path}: {path.stat().st_size / 1000:.1f} kB")
-
-
-def until_known(proxy: Mitmdump) -> None:
-    """Start-up questions first, so they are in the recording before the answer."""
-    for _ in range(200):
-        servers = httpx.get(f"{proxy.url}/spillover/status").json()["servers"]
-        if len(servers) == 1 + len(proxy.fallbacks):
-            return
-        time.sleep(0.02)
 
 
 def stream(proxy: Mitmdump, body: dict, on_chunk: Callable[[int, int], None] | None = None) -> None:

@@ -79,7 +79,7 @@ async def _replay_answer(
     )
     await asyncio.to_thread(proxy.start)
     try:
-        await _until_known(proxy, [urls[u] for u in ladder])
+        await asyncio.to_thread(proxy.servers_known)  # the stand-ins answer meanwhile
         response = await _replay_request(proxy, answer, meta, servers, outcome)
     finally:
         await asyncio.to_thread(proxy.stop)
@@ -117,17 +117,6 @@ def _refused(flow: http.HTTPFlow) -> bool:
     """The connection itself was refused (the addon's own words, or httpx's)."""
     message = flow.error.msg if flow.error else ""
     return "cannot connect" in message or "ConnectError" in message
-
-
-async def _until_known(proxy: Mitmdump, urls: list[str], timeout: float = 10) -> None:
-    """The addon asks each server about itself at start; wait until it has its answers."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            status = (await client.get(f"{proxy.url}/spillover/status")).json()
-            if all(url in status["servers"] for url in urls):
-                return
-            await asyncio.sleep(0.02)
 
 
 async def _replay_request(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 
 import httpx
 import pytest
@@ -43,15 +42,10 @@ def fragment_bias(server_url: str) -> dict[str, float]:
 NOTE = re.compile(r"after (\d+) tokens .*replayed as (token ids|text)")
 
 
-def wait_until_known(proxy: Mitmdump, urls: list[str]) -> dict:
-    """The addon asks each server about itself in the background at start-up."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        servers = httpx.get(f"{proxy.url}/spillover/status").json()["servers"]
-        if all((servers.get(url) or {}).get("tokenizer") for url in urls):
-            return servers
-        time.sleep(0.05)
-    raise AssertionError(f"the addon never learned the tokenizers of {urls}")
+def wait_until_known(proxy: Mitmdump, urls: list[str]) -> None:
+    """Token ids are asked for only once the addon knows both tokenizers."""
+    servers = proxy.servers_known()
+    assert all(servers[url]["tokenizer"] for url in urls), servers
 
 
 @pytest.fixture
