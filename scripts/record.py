@@ -23,25 +23,13 @@ from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
 from scripts.processes import free_port, running
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk, tool_piece
+from scripts.prompts import TOOLS, chat_body
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, cut_tool_call, sse_chunk
 from scripts.tinymodels import ensure_models, reasoning_template
 
-PROMPT = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]
 # One client kept open: making one per request costs ~50 ms (its TLS context), long
 # enough for a tiny model to finish the answer before the handoff arrives.
 CONTROL = httpx.Client()
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-
-
-def chat(max_tokens: int, **extra) -> dict:
-    return {
-        "messages": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "cache_prompt": False,
-        **extra,
-    }
 
 
 class Recorder:
@@ -95,13 +83,13 @@ def handoff_after(proxy: Mitmdump, *counts: int) -> Callable[[int, int], None]:
 def no_handoff(rec: Recorder) -> None:
     primary, fallback = rec.server(), rec.server("fallback")
     with running(primary, fallback), rec.proxy("no-handoff", primary.url, [fallback.url]) as p:
-        stream(p, chat(24))
+        stream(p, chat_body(24))
 
 
 def requested(rec: Recorder) -> None:
     primary, fallback = rec.server(), rec.server("fallback")
     with running(primary, fallback), rec.proxy("requested", primary.url, [fallback.url]) as p:
-        stream(p, chat(64), handoff_after(p, 4))
+        stream(p, chat_body(64), handoff_after(p, 4))
 
 
 def pressure(rec: Recorder) -> None:
@@ -112,13 +100,13 @@ def pressure(rec: Recorder) -> None:
     with running(primary, fallback):
         watch = watch_sysfs(sysfs, {primary.url: "drm:card0", fallback.url: "drm:card1"})
         with rec.proxy("pressure", primary.url, [fallback.url], watch) as p:
-            stream(p, chat(160), lambda n, _: n == 4 and card0.set_used(15041))
+            stream(p, chat_body(160), lambda n, _: n == 4 and card0.set_used(15041))
 
 
 def primary_killed(rec: Recorder) -> None:
     primary, fallback = rec.server(), rec.server("fallback")
     with running(primary, fallback), rec.proxy("primary-killed", primary.url, [fallback.url]) as p:
-        stream(p, chat(64), lambda n, _: n == 4 and primary.kill())
+        stream(p, chat_body(64), lambda n, _: n == 4 and primary.kill())
 
 
 def inband_error(rec: Recorder) -> None:
@@ -131,7 +119,7 @@ def inband_error(rec: Recorder) -> None:
     )])  # fmt: skip
     fallback = rec.server("fallback")
     with running(fallback), rec.proxy("inband-error", primary.url, [fallback.url]) as p:
-        stream(p, chat(24))
+        stream(p, chat_body(24))
     primary.close()
 
 
@@ -139,7 +127,7 @@ def before_first_token(rec: Recorder) -> None:
     fallback = rec.server("fallback")
     dead = f"http://127.0.0.1:{free_port()}"
     with running(fallback), rec.proxy("before-first-token", dead, [fallback.url]) as p:
-        stream(p, chat(24))
+        stream(p, chat_body(24))
 
 
 def whole_answer(rec: Recorder) -> None:
@@ -147,14 +135,14 @@ def whole_answer(rec: Recorder) -> None:
     fallback = rec.server("fallback")
     dead = f"http://127.0.0.1:{free_port()}"
     with running(fallback), rec.proxy("whole-answer", dead, [fallback.url]) as p:
-        httpx.post(f"{p.url}/v1/chat/completions", json=chat(24, stream=False), timeout=60)
+        httpx.post(f"{p.url}/v1/chat/completions", json=chat_body(24, stream=False), timeout=60)
 
 
 def chained_ladder(rec: Recorder) -> None:
     servers = rec.server(), rec.server("fallback"), rec.server("fallback")
     urls = [s.url for s in servers]
     with running(*servers), rec.proxy("chained-ladder", urls[0], urls[1:]) as p:
-        stream(p, chat(96), handoff_after(p, 4, 4))
+        stream(p, chat_body(96), handoff_after(p, 4, 4))
 
 
 def reasoning(rec: Recorder) -> None:
@@ -164,21 +152,15 @@ def reasoning(rec: Recorder) -> None:
     with running(primary, fallback), rec.proxy("reasoning", primary.url, [fallback.url]) as p:
         close = httpx.post(f"{primary.url}/tokenize", json={"content": "</think>"}).json()
         bias = {str(close["tokens"][0]): 12.75}  # closes its reasoning after 33 tokens
-        stream(p, chat(60, logit_bias=bias), handoff_after(p, 4))
+        stream(p, chat_body(60, logit_bias=bias), handoff_after(p, 4))
 
 
 def tool_call(rec: Recorder) -> None:
     """Scripted primary and fallback: the tiny models do not call tools."""
-    cut = chunked(sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"))
-    primary = FakeUpstream([(STREAM_HEAD + cut, 0.2)])
-    fallback = FakeUpstream([(
-        STREAM_HEAD + chunked(
-            sse_chunk(role=True), tool_piece(0, '{"a": ', name="g"), tool_piece(0, "2}"),
-            sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
-        ) + b"0\r\n\r\n", 0,
-    )])  # fmt: skip
+    primary_script, fallback_script = cut_tool_call()
+    primary, fallback = FakeUpstream(primary_script), FakeUpstream(fallback_script)
     with rec.proxy("tool-call", primary.url, [fallback.url]) as p:
-        stream(p, chat(20, tools=TOOLS))
+        stream(p, chat_body(20, tools=TOOLS))
     primary.close()
     fallback.close()
 

@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+Script = list[tuple[bytes, float]]  # what to send, and how long to wait after it
+
 
 def sse_chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:
     delta: dict[str, Any] = {"role": "assistant", "content": None} if role else {}
@@ -40,6 +42,17 @@ def tool_piece(index: int, arguments: str, name: str | None = None) -> bytes:
 
 def chunked(*parts: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts if p)
+
+
+def cut_tool_call() -> tuple[Script, Script]:
+    """A primary that dies inside a tool call's arguments, and a fallback that writes its
+    own call whole: scripts for the two FakeUpstreams."""
+    cut = chunked(sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"))
+    whole = chunked(
+        sse_chunk(role=True), tool_piece(0, '{"a": ', name="g"), tool_piece(0, "2}"),
+        sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
+    )  # fmt: skip
+    return [(STREAM_HEAD + cut, 0.2)], [(STREAM_HEAD + whole + b"0\r\n\r\n", 0)]
 
 
 STREAM_HEAD = (

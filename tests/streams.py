@@ -9,20 +9,7 @@ from typing import Any
 
 import httpx
 
-PROMPT = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]
-
-
-def chat_body(max_tokens: int = 200, **extra: Any) -> dict[str, Any]:
-    # cache_prompt=false: a prompt half-served from a slot's cache is computed in other
-    # batch shapes, which can flip a near-tie token of these random-weight models.
-    return {
-        "messages": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "cache_prompt": False,
-        **extra,
-    }
+from scripts.prompts import PROMPT, chat_body
 
 
 @dataclass

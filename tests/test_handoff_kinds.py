@@ -11,7 +11,15 @@ import pytest
 
 from scripts.llamaserver import LlamaServer
 from scripts.processes import free_port
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk, tool_piece
+from scripts.prompts import TOOLS
+from scripts.scripted_upstream import (
+    STREAM_HEAD,
+    FakeUpstream,
+    chunked,
+    cut_tool_call,
+    sse_chunk,
+    tool_piece,
+)
 from tests.streams import (
     PROMPT,
     assert_one_clean_stream,
@@ -153,8 +161,7 @@ def test_a_constrained_answer_is_not_continued_elsewhere(
 
 
 def tool_stream(client: openai.OpenAI):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    return client.chat.completions.stream(model="any", messages=PROMPT, max_tokens=20, tools=tools)
+    return client.chat.completions.stream(model="any", messages=PROMPT, max_tokens=20, tools=TOOLS)
 
 
 def test_tool_calls_reach_the_client_whole(start_proxy, fallback: LlamaServer) -> None:
@@ -185,14 +192,8 @@ def test_tool_calls_reach_the_client_whole(start_proxy, fallback: LlamaServer) -
 
 def test_a_tool_call_cut_by_a_handoff_comes_whole_from_the_fallback(start_proxy) -> None:
     """Fake primary and fallback: the primary dies inside a call's arguments."""
-    cut = chunked(sse_chunk(role=True), sse_chunk(" ok"), tool_piece(0, '{"a"', name="f"))
-    primary = FakeUpstream([(STREAM_HEAD + cut, 0.2)])
-    fallback = FakeUpstream([(
-        STREAM_HEAD + chunked(
-            sse_chunk(role=True), tool_piece(0, '{"a": ', name="g"), tool_piece(0, "2}"),
-            sse_chunk(finish="tool_calls"), b"data: [DONE]\n\n",
-        ) + b"0\r\n\r\n", 0,
-    )])  # fmt: skip
+    primary_script, fallback_script = cut_tool_call()
+    primary, fallback = FakeUpstream(primary_script), FakeUpstream(fallback_script)
     proxy = start_proxy(primary.url, [fallback.url])
     with tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream:
         final = stream.get_final_completion()
