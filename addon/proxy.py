@@ -63,7 +63,7 @@ class Spillover:
         self.endpoint = SpliceEndpoint()
         self.fallbacks: list[Upstream] = []
         self.live: dict[str, _Live] = {}
-        self.servers = ServerDirectory(on_exchange=lambda e: self._show(as_flow(e)))
+        self.servers = ServerDirectory(on_exchange=self._show_question)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
@@ -153,7 +153,11 @@ class Spillover:
             ladder=[primary, *self.fallbacks],
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
-            on_exchange=lambda exchange: self._show_leg(flow, exchange),
+            on_exchange=(
+                (lambda exchange: self._show_leg(flow, exchange))
+                if ctx.options.spillover_upstream_flows
+                else None
+            ),
             exact=ctx.options.spillover_exact_replay,
         )
         token = self.endpoint.expect(splice)
@@ -223,6 +227,10 @@ class Spillover:
         flow.comment = "\n".join(f"spillover: {h.describe()}" for h in handoffs)
         flow.marked = MARK
 
+    def _show_question(self, exchange: Exchange) -> None:
+        if ctx.options.spillover_upstream_flows:
+            self._show(as_flow(exchange))
+
     def _show_leg(self, answer: http.HTTPFlow, exchange: Exchange) -> None:
         leg = as_flow(exchange, answer)
         answer.metadata["spillover"].setdefault("legs", []).append(leg.id)
@@ -231,8 +239,6 @@ class Spillover:
     def _show(self, flow: http.HTTPFlow) -> None:
         """Put a flow the addon made itself where mitmproxy's own flows go: the view
         (mitmweb, the console) and the `-w` file."""
-        if not ctx.options.spillover_upstream_flows:
-            return
         if (view := ctx.master.addons.get("view")) is not None:
             view.add([flow])
         if (save := ctx.master.addons.get("save")) is not None:

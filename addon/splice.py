@@ -85,7 +85,7 @@ class Splice:
         ladder: Sequence[Upstream],
         servers: ServerDirectory | None = None,
         on_handoff: Callable[[Handoff], None] = lambda _: None,
-        on_exchange: Callable[[Exchange], None] = lambda _: None,
+        on_exchange: Callable[[Exchange], None] | None = None,  # None: legs are not kept
         exact: bool = True,
     ) -> None:
         self.path = path
@@ -232,7 +232,8 @@ class Splice:
         else:
             exchange.end("complete" if failure is None else "failed", failure)
         finally:
-            self._on_exchange(exchange)
+            if self._on_exchange is not None:
+                self._on_exchange(exchange)
         return failure
 
     async def _exchange(
@@ -244,7 +245,8 @@ class Splice:
         except UpstreamError as exc:
             return str(exc)
         exchange.respond(response.status, response.headers)
-        response.tap = exchange.received
+        if self._on_exchange is not None:
+            response.tap = exchange.received
         try:
             if response.status != 200:
                 if rewriter is None and response.status < 500:
@@ -307,14 +309,16 @@ class Splice:
                 if "error" in chunk:
                     self._flush(client, out)
                     return f"in-band error from {upstream.url}: {_error_text(chunk['error'])}"
+                changed = rewriter is not None
                 if rewriter is not None:
                     chunk = rewriter.rewrite(chunk)
                     if chunk is None:
                         continue
-                    event = sse.encode(chunk)
                 pieces = None
-                if self._strip_pieces and b'"logprobs"' in event:
+                if self._strip_pieces and (changed or b'"logprobs"' in event):
                     pieces = take_pieces(chunk, strip=True)
+                    changed = True
+                if changed:
                     event = sse.encode(chunk)
                 if b'"tool_calls"' in event:
                     envelope = {k: v for k, v in chunk.items() if k != "choices"}

@@ -450,3 +450,18 @@ def test_recording_keeps_the_stitched_answer(
         if line:
             record(recorded, line)
     assert recorded.segments == stream.segments and recorded.done == 1
+
+
+def test_without_upstream_flows_only_the_client_flows_are_recorded(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    flows_file = tmp_path / "session.flows"
+    options = [f"save_stream_file={flows_file}", "spillover_upstream_flows=false"]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, 20, primary))
+    proxy.stop()
+    with flows_file.open("rb") as f:
+        flows = list(io.FlowReader(f).stream())
+    assert not [fl for fl in flows if "spillover_exchange" in fl.metadata]
+    (flow,) = [fl for fl in flows if "spillover" in fl.metadata]
+    assert len(stream.notes) == 1 and "legs" not in flow.metadata["spillover"]
