@@ -44,10 +44,17 @@ def listening_pids(port: int, proc: Path = Path("/proc")) -> set[int]:
     pids = set()
     for pid in (p for p in proc.iterdir() if p.name.isdigit()):
         try:
-            if any(os.readlink(fd) in inodes for fd in (pid / "fd").iterdir()):
-                pids.add(int(pid.name))
+            fds = list((pid / "fd").iterdir())
         except OSError:
-            continue
+            continue  # gone, or not ours to read
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue  # closed meanwhile: one vanished descriptor must not hide the rest
+            if target in inodes:
+                pids.add(int(pid.name))
+                break
     return pids
 
 
