@@ -153,9 +153,9 @@ def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) 
 
 
 def test_a_seeded_sampled_answer_is_told_its_seed_starts_over(twins) -> None:
-    _, _, proxy = twins
+    first, _, proxy = twins
     body = {**chat_body(ANSWER), "temperature": 0.9, "seed": 42}
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8))
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8, hold=first))
     assert_one_clean_stream(stream)
     assert "the sampling seed starts over on the new server" in stream.notes[0]
     assert sum(stream.segment_tokens) == ANSWER
