@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from addon import sse
+from addon.shape import constraint_of, positive_int, text_of
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
@@ -152,8 +153,7 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
             messages[-1]["reasoning_content"] = reasoning
         body["messages"] = messages
     for name in TOKEN_LIMIT_FIELDS:
-        limit = body.get(name)
-        if isinstance(limit, int) and limit > 0:
+        if (limit := positive_int(body.get(name))) is not None:
             body[name] = max(1, limit - transcript.produced)
     return body
 
@@ -162,7 +162,7 @@ def _continued_messages(messages: list[Any], delivered: str) -> list[Any]:
     """The messages with the delivered text as the assistant's answer so far (prefill)."""
     if messages and messages[-1].get("role") == "assistant":
         # The client prefilled the answer itself; servers that echo sent it back already.
-        earlier = messages[-1].get("content") or ""
+        earlier = text_of(messages[-1].get("content")) or ""
         prefill = delivered if delivered.startswith(earlier) else earlier + delivered
         return [*messages[:-1], {**messages[-1], "content": prefill}]
     return [*messages, {"role": "assistant", "content": delivered}]
@@ -171,13 +171,9 @@ def _continued_messages(messages: list[Any], delivered: str) -> list[Any]:
 def token_limit(body: dict[str, Any]) -> int | None:
     """How many tokens the request may still produce, when it says."""
     for name in TOKEN_LIMIT_FIELDS:
-        limit = body.get(name)
-        if isinstance(limit, int) and limit > 0:
+        if (limit := positive_int(body.get(name))) is not None:
             return limit
     return None
-
-
-CONSTRAINTS = ("response_format", "grammar", "json_schema")
 
 
 def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
@@ -188,19 +184,25 @@ def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
         return f"the answer so far has {parts}, which cannot be continued elsewhere"
     if not transcript.content:
         return None
-    constraint = next((k for k in CONSTRAINTS if body.get(k)), None)
-    if constraint == "response_format" and body[constraint].get("type") == "text":
-        constraint = None
-    if constraint is not None:
+    if (constraint := constraint_of(body)) is not None:
         return f"the answer is bound by {constraint}, which another server would start over"
+    if _prefill_message(body) is not None and prefill_of(body) is None:
+        return "the client's assistant prefill is not plain text"
     return None
 
 
-def prefill_of(body: dict[str, Any]) -> str:
-    messages = body.get("messages") or []
-    if messages and messages[-1].get("role") == "assistant":
-        return messages[-1].get("content") or ""
-    return ""
+def _prefill_message(body: dict[str, Any]) -> dict[str, Any] | None:
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
+        return messages[-1]
+    return None
+
+
+def prefill_of(body: dict[str, Any]) -> str | None:
+    """The text of the client's own assistant prefill ("" without one; None when it is
+    not plain text)."""
+    message = _prefill_message(body)
+    return "" if message is None else text_of(message.get("content"))
 
 
 class ChunkRewriter:

@@ -15,6 +15,7 @@ import copy
 from typing import Any, Protocol
 
 from addon.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
+from addon.shape import constraint_of, positive_int
 
 # Chat request fields that have no meaning for a native /completion of a rendered prompt.
 CHAT_ONLY = (
@@ -34,7 +35,7 @@ def eligible(path: str, body: dict[str, Any]) -> bool:
         return False
     if messages[-1].get("role") == "assistant":
         return False
-    return not any(body.get(k) for k in ("tools", "response_format", "grammar", "json_schema"))
+    return not body.get("tools") and constraint_of(body) is None
 
 
 def client_wants_logprobs(body: dict[str, Any]) -> bool:
@@ -56,7 +57,7 @@ def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int
     if (limit := token_limit(body)) is not None:
         native["n_predict"] = max(1, limit - produced)
     if client_wants_logprobs(body):
-        native["n_probs"] = max(1, int(body.get("top_logprobs") or 1))
+        native["n_probs"] = positive_int(body.get("top_logprobs")) or 1
         native["post_sampling_probs"] = bool(body.get("post_sampling_probs"))
     else:
         native["n_probs"] = 1

@@ -14,19 +14,13 @@ class Handoff:
     at_token: int
     at_char: int
     decided: float
-    asked: bool  # asked for (memory pressure, a person); else the leg failed
+    kind: str  # "pressure" (the watcher), "requested" (a person), "failure", "stalled", "slow"
     pause_ms: float | None = None
     replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
     caveat: str | None = None  # a promise of the request this handoff cannot keep
 
-    @property
-    def kind(self) -> str:
-        if not self.asked:
-            return "failure"
-        return "pressure" if self.reason.startswith("memory pressure") else "requested"
-
     def as_metadata(self) -> dict[str, Any]:
-        return {"kind": self.kind} | {k: v for k, v in vars(self).items() if k != "decided"}
+        return {k: v for k, v in vars(self).items() if k != "decided"}
 
     def describe(self) -> str:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""

@@ -9,6 +9,7 @@ from addon.continuation import ChunkRewriter, Transcript, continuation_body, pre
 from addon.exact import NativeRewriter, NativeToChat, Rewriter, native_body
 from addon.handoff import Handoff, seeded_sampling
 from addon.servers import ServerDirectory
+from addon.shape import mapping
 from addon.upstream import Upstream
 
 
@@ -46,7 +47,7 @@ class NextLeg:
             body = continuation_body(self.body, self.transcript)
             info = self._servers.get(upstream) if self._servers else None
             rewriter = ChunkRewriter(
-                self.transcript, prefill_of(body), info.echoes_prefill if info else None
+                self.transcript, prefill_of(body) or "", info.echoes_prefill if info else None
             )
             path = self.path
             delivered = self.transcript.content or self.transcript.reasoning
@@ -72,9 +73,15 @@ class NextLeg:
         if (prompt := await servers.render(upstream, self.body)) is None:
             return None
         body = native_body(self.body, prompt, ids, self.transcript.produced)
-        usage = (self.body.get("stream_options") or {}).get("include_usage") is True
+        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
         return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    async def fits(self, upstream: Upstream) -> bool:
+        """Whether the rest of the answer, as it stands, fits on `upstream` (checked before
+        an asked-for handoff leaves a server that is still working)."""
+        body = continuation_body(self.body, self.transcript)
+        return await self._no_room(upstream, body) is None
 
     async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """Why `upstream` cannot take this continuation whole, or None if it can (or

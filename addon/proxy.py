@@ -12,6 +12,7 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from addon.control import ControlAccess
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff
@@ -30,6 +31,7 @@ SPLICED = {
     "/completions": "prompt",
 }
 CONTROL_PREFIX = "/spillover/"
+REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 MARK = ":twisted_rightwards_arrows:"
 
 
@@ -46,6 +48,8 @@ def spliceable_body(request: http.Request) -> dict[str, Any] | None:
         return None
     if not isinstance(body.get(field), list if field == "messages" else str):
         return None  # malformed, or token-id prompts: passed through as they are
+    if field == "messages" and not all(isinstance(m, dict) for m in body["messages"]):
+        return None  # malformed: the primary answers with its own error
     if body.get("n", 1) != 1:
         return None  # several choices per answer are not spliced: passed through as they are
     return body
@@ -67,6 +71,7 @@ class Spillover:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
+        self.control = ControlAccess()
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -91,10 +96,18 @@ class Spillover:
         )  # fmt: skip
         loader.add_option(
             "spillover_control", bool, True,
-            "Answer /spillover/status and POST /spillover/handoff on the proxy port.",
+            "Answer /spillover/status, /spillover/metrics and POST /spillover/handoff on the "
+            "proxy port, to clients on this machine (loopback) and bearers of the control token.",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_control_token", str, "",
+            "A bearer token that admits clients from other machines to the control routes "
+            "(Authorization: Bearer TOKEN); @/path/to/file reads it from a file.",
         )  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
+        if "spillover_control_token" in updated:
+            self.control.configure(ctx.options.spillover_control_token)
         if "spillover_fallbacks" in updated:
             urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
             self.fallbacks = [Upstream(u) for u in urls if u]
@@ -130,11 +143,11 @@ class Spillover:
                 targets.append(Upstream(f"{mode.scheme}://{host}:{port}"))
         return targets
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.error is not None or _recorded(flow):
             return  # answered already: a flow read from a file (-r), or another addon's
-        if flow.request.path.startswith(CONTROL_PREFIX) and ctx.options.spillover_control:
-            self._control(flow)
+        if flow.request.path.startswith(CONTROL_PREFIX) and self.control.admits(flow):
+            await self._control(flow)
             return
         if not self.endpoint.running:
             return
@@ -190,32 +203,43 @@ class Spillover:
 
     @command.command("spillover.handoff")
     def handoff(self, flows: Sequence[flow.Flow]) -> int:
-        """Hand off the given live streams to their next server now (@all: every one)."""
-        return self._handoff((f.id for f in flows), "requested by spillover.handoff")
+        """Hand off the given live streams to their next server with room (@all: every
+        one); returns how many are moving."""
+        moves = self._handoff((f.id for f in flows), "requested by spillover.handoff", "requested")
+        return len(moves)
 
     def request_handoff(self, reason: str, servers: Iterable[str] | None = None) -> None:
         """Thread-safe: hand off every live stream whose current server is in `servers`
-        (every live stream when None). For watchers running in other threads."""
+        (every live stream when None), for memory pressure. For watchers in other threads."""
         if self._loop is None:
             return
         wanted = None if servers is None else {s.rstrip("/") for s in servers}
         self._loop.call_soon_threadsafe(self._handoff_on, reason, wanted)
 
-    def _handoff_on(self, reason: str, servers: set[str] | None) -> int:
+    def _handoff_on(self, reason: str, servers: set[str] | None) -> None:
         ids = [
             flow_id
             for flow_id, live in self.live.items()
             if servers is None or live.splice.current.url in servers
         ]
-        return self._handoff(ids, reason)
+        self._handoff(ids, reason, "pressure")
 
-    def _handoff(self, flow_ids: Iterable[str], reason: str) -> int:
-        count = 0
+    def _handoff(self, flow_ids: Iterable[str], reason: str, kind: str) -> list[asyncio.Task[bool]]:
+        """Ask each stream to move; one stream's trouble never keeps another from moving."""
+        moves = []
         for flow_id in list(flow_ids):
             live = self.live.get(flow_id)
-            if live is not None and live.splice.handoff(reason):
-                count += 1
-        return count
+            if live is None:
+                continue
+            try:
+                move = live.splice.handoff(reason, kind)
+            except Exception:
+                log.exception("handoff of %s failed; it stays where it is", flow_id)
+                continue
+            if move is not None:
+                move.add_done_callback(_log_failed_move)
+                moves.append(move)
+        return moves
 
     def _record(self, flow: http.HTTPFlow, handoff: Handoff) -> None:
         self.metrics.record(handoff)
@@ -244,7 +268,7 @@ class Spillover:
         if (save := ctx.master.addons.get("save")) is not None:
             save.save_flow(flow)
 
-    def _control(self, flow: http.HTTPFlow) -> None:
+    async def _control(self, flow: http.HTTPFlow) -> None:
         route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
         if route == "handoff" and flow.request.method == "POST":
             try:
@@ -254,9 +278,19 @@ class Spillover:
             if not isinstance(args, dict):
                 flow.response = _json(400, {"error": "body must be a JSON object"})
                 return
-            reason = str(args.get("reason") or "requested by POST /spillover/handoff")
-            ids = [args["flow"]] if args.get("flow") else list(self.live)
-            flow.response = _json(200, {"handed_off": self._handoff(ids, reason)})
+            wanted, reason = args.get("flow"), args.get("reason")
+            if wanted is not None and not isinstance(wanted, str):
+                flow.response = _json(400, {"error": "flow must be a flow id (a string)"})
+                return
+            if reason is not None and not isinstance(reason, str):
+                flow.response = _json(400, {"error": "reason must be a string"})
+                return
+            why = "requested by POST /spillover/handoff"
+            if reason:
+                why += f": {' '.join(reason.split())[:REASON_LIMIT]}"
+            moves = self._handoff([wanted] if wanted else list(self.live), why, "requested")
+            moved = await asyncio.gather(*moves, return_exceptions=True)
+            flow.response = _json(200, {"handed_off": sum(m is True for m in moved)})
         elif route == "status" and flow.request.method == "GET":
             flow.response = _json(200, self.status())
         elif route == "metrics" and flow.request.method == "GET":
@@ -283,6 +317,11 @@ class Spillover:
             ],
             **{name: part() for name, part in self.status_parts.items()},
         }
+
+
+def _log_failed_move(move: asyncio.Task[bool]) -> None:
+    if not move.cancelled() and (exc := move.exception()) is not None:
+        log.error("a handoff could not be carried out; the answer stays", exc_info=exc)
 
 
 def _recorded(flow: http.HTTPFlow) -> bool:

@@ -22,6 +22,7 @@ import httpx
 
 from addon.continuation import token_limit
 from addon.exchange import Exchange
+from addon.shape import mapping
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ class ServerDirectory:
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """The chat request's prompt as this server's template renders it."""
-        request = {k: body[k] for k in ("messages", "chat_template_kwargs") if k in body}
+        request = {"messages": body.get("messages")}
+        if kwargs := mapping(body.get("chat_template_kwargs")):
+            request["chat_template_kwargs"] = kwargs
         try:
             rendered = await self.client.post(f"{upstream.url}/apply-template", json=request)
             prompt = rendered.json()["prompt"]

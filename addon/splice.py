@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
 
 SEP = sse.TERMINATOR
+log = logging.getLogger(__name__)
 HOP_BY_HOP = {
     "connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
     "upgrade", "proxy-authenticate", "proxy-authorization", "content-encoding",
@@ -114,39 +116,69 @@ class Splice:
         self._servers = servers
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
-        self._leg_index = 0
+        self._at = 0  # the ladder index of the server carrying the answer now
+        self._failed: set[int] = set()  # servers that failed this answer: never tried again
         self._leg_task: asyncio.Future[str | None] | None = None
-        self._pending: tuple[str, float] | None = None
+        self._moving = False  # a handoff is being checked or carried out
+        self._pending: tuple[str, str, float, int] | None = None  # reason, kind, when, where
         self._finishing = False
         self._cancelled = False
         self._queued: list[bytes] = []
 
     @property
     def current(self) -> Upstream:
-        return self.ladder[self._leg_index]
+        return self.ladder[self._at]
+
+    def _below(self) -> list[int]:
+        """Where an asked-for handoff may go: down the ladder, past servers that failed."""
+        return [i for i in range(self._at + 1, len(self.ladder)) if i not in self._failed]
+
+    def _after_failure(self) -> int | None:
+        """Where a failed leg goes: down the ladder, else back up to a server that was
+        left on request and has not failed this answer."""
+        above = [i for i in range(self._at) if i not in self._failed]
+        return next(iter([*self._below(), *above]), None)
 
     @property
     def can_hand_off(self) -> bool:
         return (
             not self._finishing
+            and not self._moving
             and self._leg_task is not None
             and not self._leg_task.done()
-            and self._leg_index + 1 < len(self.ladder)
+            and bool(self._below())
         )
 
-    def handoff(self, reason: str) -> bool:
-        """Move to the next server now. False when the answer is already complete, when
-        there is nowhere to go, or when no other server could continue it faithfully:
-        then the current leg simply carries on."""
-        if not self.can_hand_off or self._pending is not None:
-            return False
+    def handoff(self, reason: str, kind: str = "requested") -> asyncio.Task[bool] | None:
+        """Ask to move the answer to the next server that has room for it. None when the
+        answer is already complete or moving, when there is nowhere to go, or when no
+        other server could continue it faithfully; otherwise a task that says whether it
+        moved. Until a server with room is found the current leg carries on, and if there
+        is none it simply stays."""
+        if not self.can_hand_off:
+            return None
         self.transcript.settle()
         if cannot_continue(self.body, self.transcript) is not None:
-            return False
-        assert self._leg_task is not None
-        self._pending = (reason, time.monotonic())
-        self._leg_task.cancel()
-        return True
+            return None
+        self._moving = True
+        return asyncio.ensure_future(self._move(reason, kind, time.monotonic()))
+
+    async def _move(self, reason: str, kind: str, decided: float) -> bool:
+        leg = self._leg_task
+        try:
+            target = None
+            for index in self._below():
+                if await self._next.fits(self.ladder[index]):
+                    target = index
+                    break
+            if target is None or leg is not self._leg_task or self._finishing or leg.done():
+                return False  # nowhere with room, or the answer ended or moved meanwhile
+            self._pending = (reason, kind, decided, target)
+            leg.cancel()
+            return True
+        finally:
+            if self._pending is None:
+                self._moving = False
 
     def cancel(self) -> None:
         """The client went away: drop every leg."""
@@ -159,27 +191,31 @@ class Splice:
             self._leg_task = asyncio.ensure_future(self._leg(client))
             try:
                 failure = await self._leg_task
-                decided, asked = time.monotonic(), False
+                kind, decided, target = "failure", time.monotonic(), None
             except asyncio.CancelledError:
                 if self._cancelled or self._pending is None:
                     raise
-                (failure, decided), asked = self._pending, True
+                failure, kind, decided, target = self._pending
             finally:
                 self._pending = None
+                self._moving = False
             if failure is None:
                 return
+            if target is None:
+                self._failed.add(self._at)
+                target = self._after_failure()
             self.transcript.settle()
             if (why := cannot_continue(self.body, self.transcript)) is not None:
                 self._give_up(client, f"{failure}; {why}")
                 return
-            if self._leg_index + 1 >= len(self.ladder):
+            if target is None:
                 self._give_up(client, failure)
                 return
-            self._announce(failure, decided, asked)
+            self._announce(failure, kind, decided, target)
 
-    def _announce(self, reason: str, decided: float, asked: bool) -> None:
+    def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
         source = self.current
-        self._leg_index += 1
+        self._at = target
         handoff = Handoff(
             reason=reason,
             source=source.url,
@@ -187,7 +223,7 @@ class Splice:
             at_token=self.transcript.produced,
             at_char=len(self.transcript.text),
             decided=decided,
-            asked=asked,
+            kind=kind,
         )
         self.handoffs.append(handoff)
         self._on_handoff(handoff)
@@ -212,17 +248,21 @@ class Splice:
         """Stream one leg into the client. None when the answer is complete, otherwise
         why the leg failed."""
         upstream = self.current
-        if self._leg_index == 0:
+        if not self.handoffs:
             path, body, rewriter = self.path, self.raw_body, None
         else:
-            request = await self._next.request(upstream, self.handoffs[-1])
+            try:
+                request = await self._next.request(upstream, self.handoffs[-1])
+            except Exception as exc:  # one answer's odd shape must not end it unexplained
+                log.exception("cannot build the continuation for %s", upstream.url)
+                request = f"cannot build a continuation for {upstream.url}: {exc!r}"
             self._note(client, self.handoffs[-1])
             if isinstance(request, str):
                 return request
             path, body, rewriter = request
         exchange = Exchange(
             upstream.url, "POST", path, sent_headers(upstream, body, self.headers), body,
-            purpose="leg", leg=self._leg_index,
+            purpose="leg", leg=len(self.handoffs),
         )  # fmt: skip
         try:
             failure = await self._exchange(client, upstream, path, body, rewriter, exchange)

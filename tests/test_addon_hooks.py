@@ -49,12 +49,12 @@ def test_only_chat_completions_are_spliced() -> None:
                 chat_flow(b"{not json"),
                 chat_flow(b"[1, 2]"),
             ):
-                addon.request(untouched)
+                await addon.request(untouched)
                 assert (
                     untouched.request.port == 8081 and TOKEN_HEADER not in untouched.request.headers
                 )
             spliced = chat_flow(STREAMING)
-            addon.request(spliced)
+            await addon.request(spliced)
             assert spliced.request.port == addon.endpoint.port
             assert spliced.request.headers[TOKEN_HEADER]
             spliced.response = tflow.tresp()
@@ -62,7 +62,7 @@ def test_only_chat_completions_are_spliced() -> None:
             assert spliced.response.stream is True
             assert spliced.request.port == 8081 and TOKEN_HEADER not in spliced.request.headers
             whole = chat_flow({**STREAMING, "stream": False})
-            addon.request(whole)
+            await addon.request(whole)
             whole.response = tflow.tresp()
             addon.responseheaders(whole)
             assert whole.request.port == 8081 and whole.response.stream is False
@@ -75,28 +75,32 @@ def test_without_its_endpoint_the_addon_lets_traffic_through() -> None:
     addon = Spillover()
     with taddons.context(addon):
         flow = chat_flow(STREAMING)
-        addon.request(flow)  # running() never happened: no endpoint
+        asyncio.run(addon.request(flow))  # running() never happened: no endpoint
         assert flow.request.port == 8081
 
 
-def test_control_routes_answer_clearly() -> None:
+async def _control_routes_answer_clearly() -> None:
     addon = Spillover()
     with taddons.context(addon) as tctx:
         status = chat_flow(b"", path="/spillover/status", method="GET")
-        addon.request(status)
+        await addon.request(status)
         assert (
             status.response.status_code == 200 and json.loads(status.response.content)["live"] == []
         )
         bad = chat_flow(b"[1]", path="/spillover/handoff")
-        addon.request(bad)
+        await addon.request(bad)
         assert bad.response.status_code == 400
         unknown = chat_flow(b"", path="/spillover/nothing", method="GET")
-        addon.request(unknown)
+        await addon.request(unknown)
         assert unknown.response.status_code == 404
         tctx.configure(addon, spillover_control=False)
         off = chat_flow(b"", path="/spillover/status", method="GET")
-        addon.request(off)
+        await addon.request(off)
         assert off.response is None
+
+
+def test_control_routes_answer_clearly() -> None:
+    asyncio.run(_control_routes_answer_clearly())
 
 
 def test_handoff_command_moves_a_live_stream() -> None:
@@ -121,7 +125,7 @@ def test_handoff_command_moves_a_live_stream() -> None:
             await addon.running()
             flow = chat_flow(STREAMING)
             flow.request.port = primary.port
-            addon.request(flow)
+            await addon.request(flow)
             reader, writer = await asyncio.open_connection("127.0.0.1", addon.endpoint.port)
             body = flow.request.content
             writer.write(
@@ -155,3 +159,51 @@ def test_handoff_command_moves_a_live_stream() -> None:
     assert continued["messages"][-1] == {"role": "assistant", "content": " the"}
     primary.close()
     fallback.close()
+
+
+def test_control_routes_are_closed_to_strangers(tmp_path) -> None:
+    """Other machines' requests for the control routes go on to the primary as any request
+    would, unless they bear the control token; the token never stays in the flow."""
+
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon) as tctx:
+            stranger = chat_flow(b"", path="/spillover/status", method="GET")
+            stranger.client_conn.peername = ("192.0.2.7", 40000)
+            stranger.request.headers["authorization"] = "Bearer client-secret"
+            await addon.request(stranger)
+            assert stranger.response is None
+            assert stranger.request.headers["authorization"] == "Bearer client-secret"
+            (tmp_path / "token").write_text("s3cret\n")
+            tctx.configure(addon, spillover_control_token=f"@{tmp_path / 'token'}")
+            for presented, answered in (("Bearer wrong", False), ("Bearer s3cret", True)):
+                flow = chat_flow(b"", path="/spillover/status", method="GET")
+                flow.client_conn.peername = ("::ffff:192.0.2.7", 40000)
+                flow.request.headers["authorization"] = presented
+                await addon.request(flow)
+                assert (flow.response is not None) is answered
+                assert ("authorization" in flow.request.headers) is not answered
+            mapped_loopback = chat_flow(b"", path="/spillover/status", method="GET")
+            mapped_loopback.client_conn.peername = ("::ffff:127.0.0.1", 40000)
+            await addon.request(mapped_loopback)
+            assert mapped_loopback.response.status_code == 200
+
+    asyncio.run(run())
+
+
+def test_a_requested_handoff_is_counted_as_requested_whatever_its_reason() -> None:
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon):
+            for body, status in (
+                ({"flow": 7}, 400),
+                ({"flow": ["a"]}, 400),
+                ({"reason": {"x": 1}}, 400),
+                ({"flow": "no-such-flow", "reason": "memory pressure on nvml:0"}, 200),
+            ):
+                flow = chat_flow(json.dumps(body).encode(), path="/spillover/handoff")
+                await addon.request(flow)
+                assert flow.response.status_code == status, body
+                assert flow.request.host == "127.0.0.1" and flow.request.port == 8081
+
+    asyncio.run(run())

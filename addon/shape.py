@@ -1,0 +1,48 @@
+"""The fields of a client's request that the addon reads, taken whatever shape they came in.
+
+llama-server accepts many shapes for one field (a string or content parts, an object or
+a string), and a client can send anything. The addon never assumes: a field it cannot
+read is treated as absent, or as a reason to leave the answer where it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def positive_int(value: Any) -> int | None:
+    """A count the client gave (a token limit, a number of candidates), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def mapping(value: Any) -> dict[str, Any]:
+    """An object field (`stream_options`, `chat_template_kwargs`); anything else is empty."""
+    return value if isinstance(value, dict) else {}
+
+
+def text_of(content: Any) -> str | None:
+    """A message's content as plain text: a string, nothing, or text parts only; None
+    when it holds something else (an image, a malformed part)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            return None
+        if not isinstance(text := part.get("text"), str):
+            return None
+        texts.append(text)
+    return "".join(texts)
+
+
+def constraint_of(body: dict[str, Any]) -> str | None:
+    """The field that binds the answer's shape (JSON, a grammar), if any. Anything in
+    `response_format` other than plain text counts, whatever its shape."""
+    response_format = body.get("response_format")
+    if response_format and mapping(response_format).get("type") != "text":
+        return "response_format"
+    return next((name for name in ("grammar", "json_schema") if body.get(name)), None)

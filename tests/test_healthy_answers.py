@@ -1,0 +1,56 @@
+"""A handoff never kills a healthy answer: with nowhere to go it stays where it is, and a
+server left on request takes the answer back when the one it went to fails."""
+
+from __future__ import annotations
+
+import httpx
+
+from scripts.processes import free_port
+from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
+
+CONTROL = httpx.Client()
+
+
+def test_a_requested_handoff_with_no_room_anywhere_leaves_the_answer(
+    start_server, start_proxy
+) -> None:
+    primary = start_server("primary")
+    small = start_server("fallback", ctx_size=256, slots=1)  # 256 tokens per slot
+    proxy = start_proxy(primary.url, [small.url])
+    proxy.servers_known()
+    moved: list[int] = []
+
+    def ask(n: int) -> None:
+        if n == 20:
+            moved.append(CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"])
+
+    stream = read_stream(proxy.url, chat_body(600), on_chunk=ask)
+    assert moved == [0]
+    assert_one_clean_stream(stream)
+    assert stream.notes == []
+    assert stream.text == direct_text(primary.url, 600)
+
+
+def test_the_primary_takes_the_answer_back_when_the_fallback_fails(
+    start_server, start_proxy
+) -> None:
+    primary = start_server("primary")
+    nobody = f"http://127.0.0.1:{free_port()}"  # a fallback that is down
+    proxy = start_proxy(primary.url, [nobody])
+    moved: list[int] = []
+
+    def ask(n: int) -> None:
+        if n == 20:
+            moved.append(CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"])
+
+    stream = read_stream(proxy.url, chat_body(300), on_chunk=ask)
+    assert moved == [1]
+    assert_one_clean_stream(stream)
+    there, back = stream.notes
+    assert f"{primary.url} -> {nobody}" in there and "requested" in there
+    assert f"{nobody} -> {primary.url}" in back and "cannot connect" in back
+    assert stream.segments[1] == ""
+    assert sum(stream.segment_tokens) == 300
+    metrics = CONTROL.get(f"{proxy.url}/spillover/metrics").text
+    assert 'spillover_handoffs_total{kind="requested"} 1.0' in metrics
+    assert 'spillover_handoffs_total{kind="failure"} 1.0' in metrics
