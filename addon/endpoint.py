@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from http import HTTPStatus
 
 import h11
 
-from addon.splice import SEP, Splice, error_event
+from addon.splice import SEP, Header, Splice, error_event
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)
@@ -29,10 +30,12 @@ class HttpClientStream:
         self.started = False
         self.ended = False
 
-    def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
         self.started = True
         head = h11.Response(
-            status_code=status, headers=[*headers, ("transfer-encoding", "chunked")]
+            status_code=status,
+            headers=[*headers, (b"transfer-encoding", b"chunked")],
+            reason=reason or _phrase(status),
         )
         self._writer.write(self._conn.send(head))
 
@@ -49,10 +52,12 @@ class HttpClientStream:
         tail = self._conn.send(h11.Data(data=last)) if last else b""
         self._writer.write(tail + self._conn.send(h11.EndOfMessage()))
 
-    def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+    def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
         self.started = self.ended = True
         head = h11.Response(
-            status_code=status, headers=[*headers, ("content-length", str(len(body)))]
+            status_code=status,
+            headers=[*headers, (b"content-length", str(len(body)).encode())],
+            reason=reason or _phrase(status),
         )
         self._writer.write(
             self._conn.send(head) + self._conn.send(h11.Data(data=body))
@@ -102,7 +107,7 @@ class SpliceEndpoint:
                 splice = self._waiting.pop(token, None)
                 client = HttpClientStream(conn, writer)
                 if splice is None:
-                    client.respond(502, [("content-type", "text/plain")], b"unknown splice\n")
+                    client.respond(502, [(b"content-type", b"text/plain")], b"unknown splice\n")
                 else:
                     await _run_until_client_leaves(splice, client, reader)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -112,6 +117,13 @@ class SpliceEndpoint:
             log.debug("splice endpoint connection ended: %r", exc)
         finally:
             writer.transport.abort()
+
+
+def _phrase(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 
 async def _next_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
@@ -144,7 +156,9 @@ async def _run_until_client_leaves(
             splice.cancel()
         gone.cancel()
         await asyncio.wait({run, gone})  # both settled before the connection is reused
-    if client_left:
+    if client_left or run.cancelled():
+        # Either way the client is gone: mitmproxy's error hook may cancel the splice
+        # before this connection's close is seen.
         raise ConnectionError("client left")
     if (exc := run.exception()) is not None:
         # Fail safe: whatever broke, the client gets a readable end, not a cut connection.
@@ -152,4 +166,4 @@ async def _run_until_client_leaves(
         if client.started:
             client.end(error_event(f"spillover failed: {exc!r}") + SEP)
         else:
-            client.respond(502, [("content-type", "text/plain")], b"spillover failed\n")
+            client.respond(502, [(b"content-type", b"text/plain")], b"spillover failed\n")

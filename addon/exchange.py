@@ -24,19 +24,19 @@ class Exchange:
     server: str
     method: str
     path: str
-    request_headers: list[tuple[str, str]]
+    request_headers: list[tuple[bytes, bytes]]
     request_body: bytes
     purpose: str  # "leg" (part of an answer) or "question" (the addon asking a server)
     leg: int | None = None  # the leg's place on the answer's ladder
     started: float = field(default_factory=time.time)
     status: int | None = None
-    response_headers: list[tuple[str, str]] = field(default_factory=list)
+    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     received: bytearray = field(default_factory=bytearray)
     ended: float | None = None
     outcome: str = "complete"  # complete, handed off, failed, cancelled
     error: str | None = None
 
-    def respond(self, status: int, headers: list[tuple[str, str]]) -> None:
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status, self.response_headers = status, headers
 
     def end(self, outcome: str, error: str | None = None) -> None:
@@ -75,7 +75,7 @@ def as_flow(exchange: Exchange, answer: http.HTTPFlow | None = None) -> http.HTT
         authority=b"",
         path=exchange.path.encode(),
         http_version=b"HTTP/1.1",
-        headers=http.Headers([(k.encode(), v.encode()) for k, v in exchange.request_headers]),
+        headers=http.Headers(list(exchange.request_headers)),
         content=exchange.request_body,
         trailers=None,
         timestamp_start=exchange.started,
@@ -86,9 +86,7 @@ def as_flow(exchange: Exchange, answer: http.HTTPFlow | None = None) -> http.HTT
             http_version=b"HTTP/1.1",
             status_code=exchange.status,
             reason=b"",
-            headers=http.Headers(
-                [(k.encode(), v.encode("latin-1")) for k, v in exchange.response_headers]
-            ),
+            headers=http.Headers(list(exchange.response_headers)),
             content=bytes(exchange.received),
             trailers=None,
             timestamp_start=exchange.started,

@@ -13,6 +13,7 @@ from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from addon.control import ControlAccess
+from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff
@@ -72,6 +73,7 @@ class Spillover:
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
         self.control = ControlAccess()
+        self.credentials = Credentials()
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -95,6 +97,16 @@ class Spillover:
             "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
         loader.add_option(
+            "spillover_server_keys", str, "",
+            "Each server's own API key, for the addon's questions and for fallback legs: "
+            "URL=KEY,URL=@/path/to/file (a file keeps the key off the command line).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_forward_credentials", str, "",
+            "Fallbacks that also get the client's own Authorization and Cookie headers "
+            "(comma-separated URLs, or 'all'); the primary always gets them.",
+        )  # fmt: skip
+        loader.add_option(
             "spillover_control", bool, True,
             "Answer /spillover/status, /spillover/metrics and POST /spillover/handoff on the "
             "proxy port, to clients on this machine (loopback) and bearers of the control token.",
@@ -108,6 +120,12 @@ class Spillover:
     def configure(self, updated: set[str]) -> None:
         if "spillover_control_token" in updated:
             self.control.configure(ctx.options.spillover_control_token)
+        if updated & {"spillover_server_keys", "spillover_forward_credentials"}:
+            self.credentials = Credentials(
+                parse_keys(ctx.options.spillover_server_keys),
+                ctx.options.spillover_forward_credentials,
+            )
+            self.servers.credentials = self.credentials
         if "spillover_fallbacks" in updated:
             urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
             self.fallbacks = [Upstream(u) for u in urls if u]
@@ -160,7 +178,7 @@ class Spillover:
         self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
         splice = Splice(
             path=request.path,
-            headers=[(k, v) for k, v in request.headers.items(multi=True)],
+            headers=list(request.headers.fields),
             body=body,
             raw_body=request.content or b"",
             ladder=[primary, *self.fallbacks],
@@ -172,6 +190,7 @@ class Spillover:
                 else None
             ),
             exact=ctx.options.spillover_exact_replay,
+            credentials=self.credentials,
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)

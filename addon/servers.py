@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from addon.continuation import token_limit
+from addon.credentials import Credentials, redacted
 from addon.exchange import Exchange
 from addon.shape import mapping
 from addon.upstream import Upstream
@@ -36,12 +36,22 @@ TOKENIZER_PROBE = (
 )
 
 
+# What a server's unanswered question turns off.
+NEEDED_FOR = {
+    "/props": "room checks (its context per slot is unknown)",
+    "/tokenize": "token-exact replay (its tokenizer is unknown)",
+    "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
+}
+
+
 @dataclass
 class ServerInfo:
     echoes_prefill: bool | None = None
     slot_context: int | None = None
     tokenizer: str | None = None
     model: str | None = None
+    # Questions it did not answer: {path: "why; what that turns off"}.
+    unanswered: dict[str, str] = field(default_factory=dict)
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):
@@ -56,7 +66,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         port = url.port or (443 if url.scheme == "https" else 80)
         exchange = Exchange(
             f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
-            [(k.decode(), v.decode()) for k, v in request.headers.raw], await request.aread(),
+            redacted(request.headers.raw), await request.aread(),
             purpose="question",
         )  # fmt: skip
         try:
@@ -66,8 +76,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
             exchange.end("failed", repr(exc))
             self._record(exchange)
             raise
-        headers = [(k.decode(), v.decode("latin-1")) for k, v in response.headers.raw]
-        exchange.respond(response.status_code, headers)
+        exchange.respond(response.status_code, list(response.headers.raw))
         exchange.received += body
         exchange.end("complete")
         self._record(exchange)
@@ -80,9 +89,18 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
+def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
+    why = (
+        f"HTTP {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError) else repr(exc)
+    )
+    info.unanswered[path] = f"{why}; turns off {NEEDED_FOR[path]}"
+    log.info("no answer to %s: %s", path, info.unanswered[path])
+
+
 class ServerDirectory:
     def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
         self._on_exchange = on_exchange
+        self.credentials = Credentials()
         self.info: dict[Upstream, ServerInfo] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -121,15 +139,32 @@ class ServerDirectory:
             self._client = httpx.AsyncClient(timeout=5, transport=transport)
         return self._client
 
+    async def _ask(self, upstream: Upstream, path: str, body: Any = None) -> Any:
+        """A question's JSON answer, asked with the server's own key; raises httpx.HTTPError
+        (a refusal such as 401 included) or ValueError."""
+        headers = self.credentials.question_headers(upstream.url)
+        url = f"{upstream.url}{path}"
+        if body is None:
+            response = await self.client.get(url, headers=headers)
+        else:
+            response = await self.client.post(url, json=body, headers=headers)
+        return response.raise_for_status().json()
+
     async def _probe(self, upstream: Upstream) -> None:
         info = ServerInfo()
         try:
-            props = (await self.client.get(f"{upstream.url}/props")).json()
+            props = await self._ask(upstream, "/props")
             info.slot_context = int(props["default_generation_settings"]["n_ctx"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log.info("no slot context from %s: %r", upstream.url, exc)
-        info.model, info.tokenizer = await self._tokenizer(upstream)
-        info.echoes_prefill = await self._echoes(upstream)
+            _unanswered(info, "/props", exc)
+        try:
+            info.model, info.tokenizer = await self._tokenizer(upstream)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            _unanswered(info, "/tokenize", exc)
+        try:
+            info.echoes_prefill = await self._echoes(upstream)
+        except (httpx.HTTPError, ValueError) as exc:
+            _unanswered(info, "/v1/chat/completions", exc)
         self.info[upstream] = info
 
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
@@ -139,16 +174,9 @@ class ServerDirectory:
     async def _tokenizer(self, upstream: Upstream) -> tuple[str | None, str | None]:
         """The model's name and a fingerprint of its tokenizer: its vocabulary's kind
         and size and the ids it makes of a probe text."""
-        try:
-            model = (await self.client.get(f"{upstream.url}/v1/models")).json()["data"][0]
-            meta = model.get("meta") or {}
-            tokens = await self.client.post(
-                f"{upstream.url}/tokenize", json={"content": TOKENIZER_PROBE}
-            )
-            ids = tokens.json()["tokens"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-            log.info("no tokenizer fingerprint from %s: %r", upstream.url, exc)
-            return None, None
+        model = (await self._ask(upstream, "/v1/models"))["data"][0]
+        meta = model.get("meta") or {}
+        ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
         if "n_vocab" not in meta:
             return model.get("id"), None
         fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
@@ -160,13 +188,12 @@ class ServerDirectory:
         if kwargs := mapping(body.get("chat_template_kwargs")):
             request["chat_template_kwargs"] = kwargs
         try:
-            rendered = await self.client.post(f"{upstream.url}/apply-template", json=request)
-            prompt = rendered.json()["prompt"]
+            prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
         return prompt if isinstance(prompt, str) else None
 
-    async def _echoes(self, upstream: Upstream) -> bool | None:
+    async def _echoes(self, upstream: Upstream) -> bool:
         body = {
             "messages": [
                 {"role": "user", "content": "Continue."},
@@ -174,23 +201,13 @@ class ServerDirectory:
             ],
             "max_tokens": 1,
             "temperature": 0,
-            "stream": True,
         }
-        text = ""
+        reply = await self._ask(upstream, "/v1/chat/completions", body)
         try:
-            async with self.client.stream(
-                "POST", f"{upstream.url}/v1/chat/completions", json=body
-            ) as response:
-                if response.status_code != 200:
-                    return None
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        for choice in json.loads(line[6:]).get("choices") or ():
-                            text += (choice.get("delta") or {}).get("content") or ""
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("cannot probe %s for prefill echo: %r", upstream.url, exc)
-            return None
-        return text.startswith(MARKER)
+            text = reply["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
+        return str(text).startswith(MARKER)
 
     async def room_needed(self, upstream: Upstream, body: dict[str, Any], room: int) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
@@ -207,8 +224,8 @@ class ServerDirectory:
                 count += 1
                 continue
             try:
-                tokens = await self.client.post(f"{upstream.url}/tokenize", json={"content": part})
-                count += len(tokens.json()["tokens"])
+                tokens = await self._ask(upstream, "/tokenize", {"content": part})
+                count += len(tokens["tokens"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return None
         return count + (token_limit(body) or 0)

@@ -22,6 +22,7 @@ from addon.continuation import (
     cannot_continue,
     take_pieces,
 )
+from addon.credentials import Credentials, redacted
 from addon.exact import (
     Rewriter,
     asking_for_ids,
@@ -38,9 +39,10 @@ from addon.upstream import Upstream, UpstreamError, post, sent_headers
 SEP = sse.TERMINATOR
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {
-    "connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
-    "upgrade", "proxy-authenticate", "proxy-authorization", "content-encoding",
+    b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
+    b"upgrade", b"proxy-authenticate", b"proxy-authorization", b"content-encoding",
 }  # fmt: skip
+Header = tuple[bytes, bytes]
 
 
 class ClientStream(Protocol):
@@ -49,18 +51,20 @@ class ClientStream(Protocol):
     @property
     def started(self) -> bool: ...
 
-    def start(self, status: int, headers: list[tuple[str, str]]) -> None: ...
+    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None: ...
 
     def write(self, data: bytes) -> None: ...
 
     def end(self, last: bytes = b"") -> None: ...
 
-    def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None: ...
+    def respond(
+        self, status: int, headers: list[Header], body: bytes, reason: bytes = b""
+    ) -> None: ...
 
     async def drain(self) -> None: ...
 
 
-def forwardable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+def forwardable(headers: Sequence[Header]) -> list[Header]:
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
@@ -81,7 +85,7 @@ class Splice:
         self,
         *,
         path: str,
-        headers: Sequence[tuple[str, str]],
+        headers: Sequence[Header],
         body: dict[str, Any],
         raw_body: bytes,
         ladder: Sequence[Upstream],
@@ -89,12 +93,17 @@ class Splice:
         on_handoff: Callable[[Handoff], None] = lambda _: None,
         on_exchange: Callable[[Exchange], None] | None = None,  # None: legs are not kept
         exact: bool = True,
+        credentials: Credentials | None = None,
     ) -> None:
         self.path = path
         # post() sets these itself for each upstream.
         self.headers = [
-            (k, v) for k, v in forwardable(headers) if k.lower() not in ("host", "accept-encoding")
+            (k, v)
+            for k, v in forwardable(headers)
+            if k.lower() not in (b"host", b"accept-encoding")
         ]
+        self._credentials = credentials or Credentials()
+        self._accepted = False  # the primary has answered: the client is one it lets in
         self.body = body
         self.ladder = list(ladder)
         # Token-exact replay needs the first leg's token ids: ask for them when another
@@ -242,7 +251,7 @@ class Splice:
             client.end(error_event(message) + SEP)
         else:
             body = json.dumps({"error": {"code": 502, "message": message, "type": "server_error"}})
-            client.respond(502, [("content-type", "application/json")], body.encode())
+            client.respond(502, [(b"content-type", b"application/json")], body.encode())
 
     async def _leg(self, client: ClientStream) -> str | None:
         """Stream one leg into the client. None when the answer is complete, otherwise
@@ -260,12 +269,17 @@ class Splice:
             if isinstance(request, str):
                 return request
             path, body, rewriter = request
+        headers = self._credentials.leg_headers(
+            upstream.url, self.headers, upstream == self.ladder[0], self._accepted
+        )
         exchange = Exchange(
-            upstream.url, "POST", path, sent_headers(upstream, body, self.headers), body,
+            upstream.url, "POST", path, redacted(sent_headers(upstream, body, headers)), body,
             purpose="leg", leg=len(self.handoffs),
         )  # fmt: skip
         try:
-            failure = await self._exchange(client, upstream, path, body, rewriter, exchange)
+            failure = await self._exchange(
+                client, upstream, path, body, headers, rewriter, exchange
+            )
         except asyncio.CancelledError:
             exchange.end("handed off" if self._pending is not None else "cancelled")
             raise
@@ -278,13 +292,15 @@ class Splice:
 
     async def _exchange(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
-        rewriter: Rewriter | None, exchange: Exchange,
+        headers: list[Header], rewriter: Rewriter | None, exchange: Exchange,
     ) -> str | None:  # fmt: skip
         try:
-            response = await post(upstream, path, body, self.headers)
+            response = await post(upstream, path, body, headers)
         except UpstreamError as exc:
             return str(exc)
         exchange.respond(response.status, response.headers)
+        if upstream == self.ladder[0] and 200 <= response.status < 300:
+            self._accepted = True
         if self._on_exchange is not None:
             response.tap = exchange.received
         try:
@@ -292,17 +308,20 @@ class Splice:
                 if rewriter is None and response.status < 500:
                     # The request itself was refused (bad input): the client gets it as is.
                     client.respond(
-                        response.status, forwardable(response.headers), await response.read_all()
+                        response.status,
+                        forwardable(response.headers),
+                        await response.read_all(),
+                        response.reason,
                     )
                     return None
                 return f"HTTP {response.status} from {upstream.url}"
             if not self.streaming:
                 answer = await response.read_all()
-                notes = [("x-spillover-handoff", h.describe()) for h in self.handoffs]
-                client.respond(200, forwardable(response.headers) + notes, answer)
+                notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
+                client.respond(200, forwardable(response.headers) + notes, answer, response.reason)
                 return None
             if not client.started:
-                client.start(200, forwardable(response.headers))
+                client.start(200, forwardable(response.headers), response.reason)
             if self._queued:
                 client.write(b"".join(self._queued))
                 self._queued.clear()

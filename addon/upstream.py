@@ -120,8 +120,9 @@ class Response:
         self._writer = writer
         self.tap: bytearray | None = None  # when set, keeps a copy of the body as read
         self.status = head.status_code
-        self.headers = [(k.decode(), v.decode("latin-1")) for k, v in head.headers]
-        fields = {k.lower(): v.lower() for k, v in self.headers}
+        self.reason = head.reason
+        self.headers = head.headers.raw_items()  # as the server wrote them
+        fields = {k.lower().decode(): v.lower().decode("latin-1") for k, v in self.headers}
         self._initial = conn.trailing_data[0]
         if "chunked" in fields.get("transfer-encoding", ""):
             self._decoder: ChunkedBody | LengthBody = ChunkedBody()
@@ -168,13 +169,13 @@ class Response:
 
 
 def sent_headers(
-    upstream: Upstream, body: bytes, headers: list[tuple[str, str]]
-) -> list[tuple[str, str]]:
+    upstream: Upstream, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
     return [
-        ("host", upstream.authority),
-        ("content-length", str(len(body))),
-        ("accept-encoding", "identity"),
-        ("connection", "close"),
+        (b"host", upstream.authority.encode()),
+        (b"content-length", str(len(body)).encode()),
+        (b"accept-encoding", b"identity"),
+        (b"connection", b"close"),
         *headers,
     ]
 
@@ -183,7 +184,7 @@ async def post(
     upstream: Upstream,
     path: str,
     body: bytes,
-    headers: list[tuple[str, str]],
+    headers: list[tuple[bytes, bytes]],
     connect_timeout: float = 5.0,
 ) -> Response:
     """Send a POST and wait for the response head."""

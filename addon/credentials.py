@@ -1,0 +1,62 @@
+"""Which credentials go to which server.
+
+The client's own credentials (`Authorization`, `Cookie`) go to the server it addressed,
+the primary, exactly as without the proxy, and to a fallback only where the owner says
+so (`spillover_forward_credentials`). Each server may have a key of its own
+(`spillover_server_keys`): the addon uses it for its own questions, and for a fallback's
+legs once the primary has accepted the client's request, so a client that the primary
+would refuse is never let in with the owner's key. Recorded flows never hold any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mitmproxy import exceptions
+
+from addon.control import read_secret
+
+Header = tuple[bytes, bytes]
+CLIENT_CREDENTIALS = {b"authorization", b"cookie", b"proxy-authorization"}
+REDACTED = b"(redacted)"
+
+
+def parse_keys(option: str) -> dict[str, str]:
+    """`URL=KEY,URL=@/path/to/file` -> {URL: KEY}."""
+    keys = {}
+    for item in filter(None, (part.strip() for part in option.split(","))):
+        url, sep, key = item.rpartition("=")
+        if not sep or not url or not key:
+            raise exceptions.OptionsError(f"spillover_server_keys: expected URL=KEY, got {item!r}")
+        keys[url.rstrip("/")] = read_secret(key)
+    return keys
+
+
+class Credentials:
+    def __init__(self, keys: dict[str, str] | None = None, forward: str = "") -> None:
+        self.keys = keys or {}
+        names = {part.strip().rstrip("/") for part in forward.split(",") if part.strip()}
+        self.forward_all = "all" in names
+        self.forward = names - {"all"}
+
+    def question_headers(self, url: str) -> dict[str, str]:
+        """Headers for the addon's own questions to a server."""
+        key = self.keys.get(url)
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    def leg_headers(
+        self, url: str, client: Sequence[Header], primary: bool, accepted: bool
+    ) -> list[Header]:
+        """The client's headers as a leg to `url` should carry them. `accepted`: the
+        primary has answered this request (so the client is one it lets in)."""
+        if primary or self.forward_all or url in self.forward:
+            return list(client)
+        headers = [(k, v) for k, v in client if k.lower() not in CLIENT_CREDENTIALS]
+        if accepted and (key := self.keys.get(url)):
+            headers.append((b"authorization", f"Bearer {key}".encode()))
+        return headers
+
+
+def redacted(headers: Sequence[Header]) -> list[Header]:
+    """Headers fit for a recording: credentials' values replaced."""
+    return [(k, REDACTED if k.lower() in CLIENT_CREDENTIALS else v) for k, v in headers]

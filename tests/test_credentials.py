@@ -1,0 +1,102 @@
+"""Credentials and headers: each server gets its own key, the client's go only to the
+primary, recordings hold none of them; header bytes and the status line pass through as
+the server wrote them. Real llama-servers run with --api-key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from mitmproxy import io
+
+from tests.streams import assert_one_clean_stream, chat_body
+from tests.test_splice import LONG, handoff_after
+
+PRIMARY_KEY, FALLBACK_KEY = "primary-key-1f0c", "fallback-key-9e2a"
+
+
+def stream_with(url: str, headers: dict, on_chunk=None):
+    from tests.streams import RawStream, record
+
+    stream = RawStream()
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=chat_body(LONG), headers=headers, timeout=60
+    ) as r:
+        stream.status = r.status_code
+        for line in r.iter_lines():
+            record(stream, line)
+            if line.startswith("data: {") and on_chunk is not None:
+                on_chunk(len(stream.chunks))
+    return stream
+
+
+def test_each_server_gets_its_own_key_and_recordings_hold_none(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    primary = start_server("primary", extra_args=["--api-key", PRIMARY_KEY])
+    fallback = start_server("fallback", extra_args=["--api-key", FALLBACK_KEY])
+    key_file = tmp_path / "fallback.key"
+    key_file.write_text(FALLBACK_KEY + "\n")
+    flows_file = tmp_path / "session.flows"
+    proxy = start_proxy(
+        primary.url,
+        [fallback.url],
+        options=[
+            f"spillover_server_keys={primary.url}={PRIMARY_KEY},{fallback.url}=@{key_file}",
+            f"save_stream_file={flows_file}",
+        ],
+    )
+    known = proxy.servers_known()
+    assert known[fallback.url]["slot_context"] and not known[fallback.url]["unanswered"]
+    assert known[fallback.url]["tokenizer"] == known[primary.url]["tokenizer"]
+
+    stranger = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat_body(8))
+    direct = httpx.post(f"{primary.url}/v1/chat/completions", json=chat_body(8))
+    assert stranger.status_code == direct.status_code == 401
+    assert stranger.json() == direct.json()
+
+    client = {"authorization": f"Bearer {PRIMARY_KEY}", "x-user": "José".encode()}
+    stream = stream_with(proxy.url, client, handoff_after(proxy, 20, primary))
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and "replayed as token ids" in stream.notes[0]
+    proxy.stop()
+    assert FALLBACK_KEY.encode() not in flows_file.read_bytes()
+    with flows_file.open("rb") as f:
+        flows = list(io.FlowReader(f).stream())
+    # The client's own request is recorded as mitmproxy records any request; the legs and
+    # questions the addon made hold no credential.
+    addon_made = [fl for fl in flows if "spillover_exchange" in fl.metadata]
+    (answer,) = [fl for fl in flows if (fl.metadata.get("spillover") or {}).get("handoffs")]
+    legs = [fl for fl in addon_made if fl.id in answer.metadata["spillover"]["legs"]]
+    assert len(legs) == 2 and len(addon_made) > 2
+    for fl in addon_made:
+        assert PRIMARY_KEY.encode() not in fl.request.raw_content
+        assert all(PRIMARY_KEY not in v for v in fl.request.headers.values())
+    assert [leg.request.headers.get("authorization") for leg in legs] == ["(redacted)"] * 2
+    assert [leg.request.headers.get("x-user") for leg in legs] == ["José"] * 2
+
+
+def test_without_keys_the_status_says_what_is_turned_off(start_server, start_proxy) -> None:
+    primary = start_server("primary", extra_args=["--api-key", PRIMARY_KEY])
+    proxy = start_proxy(primary.url, [])
+    (unanswered,) = [proxy.servers_known()[primary.url]["unanswered"]]
+    assert unanswered["/props"].startswith("HTTP 401; turns off room checks")
+    assert "token-exact replay" in unanswered["/tokenize"]
+
+
+def test_header_bytes_and_the_status_line_pass_through(primary, proxy) -> None:
+    """A header value in UTF-8 reaches the server as it was sent; the response's status
+    line and header names are the server's own."""
+    headers = {"x-user": "José".encode()}
+    direct = httpx.post(f"{primary.url}/v1/chat/completions", json=chat_body(4), headers=headers)
+    through = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat_body(4), headers=headers)
+    assert through.status_code == direct.status_code == 200
+    assert through.reason_phrase == direct.reason_phrase == "OK"
+    with httpx.stream(
+        "POST",
+        f"{proxy.url}/v1/chat/completions",
+        json={**chat_body(4), "stream": True},
+        headers=headers,
+    ) as r:
+        assert r.status_code == 200 and r.reason_phrase == "OK"
+        r.read()
