@@ -15,7 +15,8 @@ from http import HTTPStatus
 
 import h11
 
-from addon.splice import SEP, Header, Splice, error_event
+from addon.splice import SEP, Splice
+from addon.wire import Header, error_event
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)

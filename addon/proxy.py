@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff
 from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from addon.metrics import Metrics
+from addon.pace import PaceLimits
 from addon.servers import ServerDirectory
 from addon.splice import Splice
 from addon.upstream import Upstream
@@ -32,6 +34,7 @@ SPLICED = {
     "/completions": "prompt",
 }
 CONTROL_PREFIX = "/spillover/"
+PACE_TICK_S = 0.25  # how often live legs are checked for stalls and slowdowns
 REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 MARK = ":twisted_rightwards_arrows:"
 
@@ -70,6 +73,7 @@ class Spillover:
         self.live: dict[str, _Live] = {}
         self.servers = ServerDirectory(on_exchange=self._show_question)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pace_watch: asyncio.Future[None] | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
         self.control = ControlAccess()
@@ -95,6 +99,23 @@ class Spillover:
             "spillover_upstream_flows", bool, True,
             "Show and record the addon's own upstream requests (each leg of an answer, "
             "the questions it asks servers) as flows of their own.",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_first_token_s", int, 300,
+            "Leave a server that has sent no answer this long after the request "
+            "(its prompt's prefill included); 0: never.",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_stall_s", int, 20,
+            "Leave a server that sends nothing for this long mid-answer; 0: never.",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_slow_percent", int, 10,
+            "Leave a server whose answer slows below this percentage of its own earlier "
+            "rate for spillover_slow_window_s; 0: never.",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_slow_window_s", int, 5, "How long a slowdown must last (seconds).",
         )  # fmt: skip
         loader.add_option(
             "spillover_server_keys", str, "",
@@ -138,6 +159,7 @@ class Spillover:
         # can send it elsewhere, and stitched answers should be kept in flows and -w files.
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
+        self._pace_watch = asyncio.ensure_future(self._watch_pace())
         self.servers.learn([*self._known_primaries(), *self.fallbacks])
         log.info(
             "spillover: carrying chat and text completions; fallbacks: %s",
@@ -145,10 +167,22 @@ class Spillover:
         )
 
     async def done(self) -> None:
+        if self._pace_watch is not None:
+            self._pace_watch.cancel()
         for live in self.live.values():
             live.splice.cancel()
         await self.endpoint.stop()
         await self.servers.close()
+
+    async def _watch_pace(self) -> None:
+        while True:
+            await asyncio.sleep(PACE_TICK_S)
+            now = time.monotonic()
+            for flow_id, live in list(self.live.items()):
+                try:
+                    live.splice.check_pace(now)
+                except Exception:
+                    log.exception("pace check of %s failed", flow_id)
 
     def _known_primaries(self) -> list[Upstream]:
         if ctx.options.spillover_primary:
@@ -191,6 +225,12 @@ class Spillover:
             ),
             exact=ctx.options.spillover_exact_replay,
             credentials=self.credentials,
+            pace=PaceLimits(
+                first_token_s=ctx.options.spillover_first_token_s,
+                stall_s=ctx.options.spillover_stall_s,
+                slow_fraction=ctx.options.spillover_slow_percent / 100,
+                slow_window_s=ctx.options.spillover_slow_window_s,
+            ),
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from addon import sse
 from addon.continuation import (
@@ -32,40 +32,14 @@ from addon.exact import (
 from addon.exchange import Exchange
 from addon.handoff import Handoff
 from addon.nextleg import NextLeg
+from addon.pace import Pace, PaceLimits
 from addon.servers import ServerDirectory
 from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
+from addon.wire import ClientStream, Header, error_event, error_text, forwardable
 
 SEP = sse.TERMINATOR
 log = logging.getLogger(__name__)
-HOP_BY_HOP = {
-    b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
-    b"upgrade", b"proxy-authenticate", b"proxy-authorization", b"content-encoding",
-}  # fmt: skip
-Header = tuple[bytes, bytes]
-
-
-class ClientStream(Protocol):
-    """Where the spliced response goes (the endpoint's connection back to mitmproxy)."""
-
-    @property
-    def started(self) -> bool: ...
-
-    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None: ...
-
-    def write(self, data: bytes) -> None: ...
-
-    def end(self, last: bytes = b"") -> None: ...
-
-    def respond(
-        self, status: int, headers: list[Header], body: bytes, reason: bytes = b""
-    ) -> None: ...
-
-    async def drain(self) -> None: ...
-
-
-def forwardable(headers: Sequence[Header]) -> list[Header]:
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
 def _ends_answer(chunk: dict[str, Any]) -> bool:
@@ -73,11 +47,6 @@ def _ends_answer(chunk: dict[str, Any]) -> bool:
     if not choices:
         return bool(chunk.get("usage"))
     return any(choice.get("finish_reason") is not None for choice in choices)
-
-
-def error_event(message: str, code: int = 503) -> bytes:
-    """An in-band error in llama-server's own format."""
-    return sse.encode({"error": {"code": code, "message": message, "type": "unavailable_error"}})
 
 
 class Splice:
@@ -94,6 +63,7 @@ class Splice:
         on_exchange: Callable[[Exchange], None] | None = None,  # None: legs are not kept
         exact: bool = True,
         credentials: Credentials | None = None,
+        pace: PaceLimits | None = None,
     ) -> None:
         self.path = path
         # post() sets these itself for each upstream.
@@ -133,6 +103,8 @@ class Splice:
         self._finishing = False
         self._cancelled = False
         self._queued: list[bytes] = []
+        self._limits = pace or PaceLimits()
+        self._pace: Pace | None = None  # the current leg's
 
     @property
     def current(self) -> Upstream:
@@ -180,7 +152,13 @@ class Splice:
                 if await self._next.fits(self.ladder[index]):
                     target = index
                     break
-            if target is None or leg is not self._leg_task or self._finishing or leg.done():
+            if (
+                target is None
+                or leg is not self._leg_task
+                or self._finishing
+                or self._pending is not None
+                or leg.done()
+            ):
                 return False  # nowhere with room, or the answer ended or moved meanwhile
             self._pending = (reason, kind, decided, target)
             leg.cancel()
@@ -188,6 +166,23 @@ class Splice:
         finally:
             if self._pending is None:
                 self._moving = False
+
+    def check_pace(self, now: float) -> None:
+        """Leave a leg that stalled (like a failed one) or slowed far below its own pace
+        (like an asked-for handoff: it stays if no other server has room)."""
+        pace, leg = self._pace, self._leg_task
+        if pace is None or leg is None or leg.done() or self._finishing or self._pending:
+            return
+        if (verdict := pace.verdict(now)) is None:
+            return
+        kind, why = verdict
+        reason = f"{self.current.url}: {why}"
+        if kind == "slow":
+            self.handoff(reason, kind)
+            return
+        self._pace = None
+        self._pending = (reason, kind, now, None)
+        leg.cancel()
 
     def cancel(self) -> None:
         """The client went away: drop every leg."""
@@ -257,6 +252,7 @@ class Splice:
         """Stream one leg into the client. None when the answer is complete, otherwise
         why the leg failed."""
         upstream = self.current
+        self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
         if not self.handoffs:
             path, body, rewriter = self.path, self.raw_body, None
         else:
@@ -299,6 +295,8 @@ class Splice:
         except UpstreamError as exc:
             return str(exc)
         exchange.respond(response.status, response.headers)
+        if self._pace is not None:
+            self._pace.saw(time.monotonic())
         if upstream == self.ladder[0] and 200 <= response.status < 300:
             self._accepted = True
         if self._on_exchange is not None:
@@ -339,7 +337,10 @@ class Splice:
         transcript = self.transcript
         # Chunks carrying ids the client did not ask for are read, to take the ids out.
         fast = not (self.asks_ids and self._strip_pieces)
+        pace = self._pace
         async for data in body:
+            if pace is not None:
+                pace.saw(time.monotonic(), data.count(SEP))
             block = splitter.feed(data)
             if not block:
                 continue
@@ -367,7 +368,7 @@ class Splice:
                     return f"garbled event from {upstream.url}: {exc}"
                 if "error" in chunk:
                     self._flush(client, out)
-                    return f"in-band error from {upstream.url}: {_error_text(chunk['error'])}"
+                    return f"in-band error from {upstream.url}: {error_text(chunk['error'])}"
                 changed = rewriter is not None
                 if rewriter is not None:
                     chunk = rewriter.rewrite(chunk)
@@ -414,9 +415,3 @@ class Splice:
             handoff = self.handoffs[-1]
             handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
             self._on_handoff(handoff)
-
-
-def _error_text(error: Any) -> str:
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error)

@@ -364,6 +364,8 @@ def test_client_disconnect_cancels_the_legs(start_server, start_proxy, after_han
     assert _requests_processing(busy) == 0
     assert _requests_processing(primary) == 0
     assert httpx.get(proxy.url + "/spillover/status").json()["live"] == []
+    # A client leaving is ordinary: no traceback in the proxy's log.
+    assert "Traceback" not in proxy.log_path.read_text(errors="replace")
 
 
 def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:

@@ -1,0 +1,52 @@
+"""What goes back to the client: the response it reads, the headers that pass, errors.
+
+`ClientStream` is where a splice writes (the endpoint's connection back to mitmproxy);
+errors a splice raises itself are written in llama-server's own format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from addon import sse
+
+HOP_BY_HOP = {
+    b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
+    b"upgrade", b"proxy-authenticate", b"proxy-authorization", b"content-encoding",
+}  # fmt: skip
+Header = tuple[bytes, bytes]
+
+
+class ClientStream(Protocol):
+    """Where the spliced response goes (the endpoint's connection back to mitmproxy)."""
+
+    @property
+    def started(self) -> bool: ...
+
+    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def end(self, last: bytes = b"") -> None: ...
+
+    def respond(
+        self, status: int, headers: list[Header], body: bytes, reason: bytes = b""
+    ) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+def forwardable(headers: Sequence[Header]) -> list[Header]:
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+
+
+def error_event(message: str, code: int = 503) -> bytes:
+    """An in-band error in llama-server's own format."""
+    return sse.encode({"error": {"code": code, "message": message, "type": "unavailable_error"}})
+
+
+def error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
