@@ -17,6 +17,7 @@ from mitmproxy import connection, http
 from mitmproxy import flow as mflow
 
 LEG_MARK = ":link:"
+KEEP_BYTES = 4 * 1024 * 1024  # of one response; past that a flow says how much it left out
 
 
 @dataclass
@@ -32,12 +33,21 @@ class Exchange:
     status: int | None = None
     response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     received: bytearray = field(default_factory=bytearray)
+    received_bytes: int = 0  # all of it, kept or not
     ended: float | None = None
     outcome: str = "complete"  # complete, handed off, failed, cancelled
     error: str | None = None
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status, self.response_headers = status, headers
+
+    def keep(self, data: bytes) -> None:
+        """Keep response bytes for the flow, up to KEEP_BYTES: the client's own flow
+        holds the answer, so a leg's copy of a huge body would only double it."""
+        room = KEEP_BYTES - len(self.received)
+        if room > 0:
+            self.received += data[:room]
+        self.received_bytes += len(data)
 
     def end(self, outcome: str, error: str | None = None) -> None:
         self.outcome, self.error, self.ended = outcome, error, time.time()
@@ -49,7 +59,8 @@ class Exchange:
             "leg": self.leg,
             "outcome": self.outcome,
             "error": self.error,
-            "received_bytes": len(self.received),
+            "received_bytes": self.received_bytes,
+            "kept_bytes": len(self.received),
         }
 
     def describe(self) -> str:

@@ -77,7 +77,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
             self._record(exchange)
             raise
         exchange.respond(response.status_code, list(response.headers.raw))
-        exchange.received += body
+        exchange.keep(body)
         exchange.end("complete")
         self._record(exchange)
         return httpx.Response(

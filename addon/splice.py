@@ -300,7 +300,7 @@ class Splice:
         if upstream == self.ladder[0] and 200 <= response.status < 300:
             self._accepted = True
         if self._on_exchange is not None:
-            response.tap = exchange.received
+            response.tap = exchange.keep
         try:
             if response.status != 200:
                 if rewriter is None and response.status < 500:
@@ -341,7 +341,10 @@ class Splice:
         async for data in body:
             if pace is not None:
                 pace.saw(time.monotonic(), data.count(SEP))
-            block = splitter.feed(data)
+            try:
+                block = splitter.feed(data)
+            except sse.EventTooLarge as exc:
+                return f"garbled stream from {upstream.url}: {exc}"
             if not block:
                 continue
             if rewriter is None and not held and fast and sse.only_plain_chunks(block):

@@ -14,24 +14,53 @@ DONE = b"data: [DONE]"
 TERMINATOR = b"\n\n"
 
 
-class EventSplitter:
-    """Cuts a byte stream at SSE event boundaries."""
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # no token chunk comes near; over it the stream is garbled
 
-    def __init__(self) -> None:
-        self._buffer = b""
+
+class EventTooLarge(ValueError):
+    pass
+
+
+class EventSplitter:
+    """Cuts a byte stream at SSE event boundaries, in time linear in the bytes: an
+    unfinished event is kept as a list of pieces and only new bytes are searched."""
+
+    def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
+        self._pending: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._after_cr = False  # the last piece ended in CR: an LF next completes CRLF
 
     def feed(self, data: bytes) -> bytes:
         """Every complete event received so far, as one block (each event ends in a blank
-        line); the incomplete rest is kept for the next call."""
-        buffer = self._buffer + data if self._buffer else data
-        if b"\r" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        end = buffer.rfind(TERMINATOR)
-        if end < 0:
-            self._buffer = buffer
+        line); the incomplete rest is kept for the next call. Raises EventTooLarge when
+        an unfinished event grows past the limit."""
+        if self._after_cr and data.startswith(b"\n"):
+            data = data[1:]
+        if b"\r" in data:
+            self._after_cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        else:
+            self._after_cr = False
+        end = data.rfind(TERMINATOR)
+        if end >= 0:
+            cut = end + 2
+        elif self._pending and data.startswith(b"\n") and self._pending[-1].endswith(b"\n"):
+            cut = 1  # the blank line straddles two reads
+        else:
+            if data:
+                self._pending.append(data)
+                self._size += len(data)
+                if self._size > self._limit:
+                    raise EventTooLarge(f"an event over {self._limit} bytes")
             return b""
-        self._buffer = buffer[end + 2 :]
-        return buffer[: end + 2]
+        block = b"".join([*self._pending, data[:cut]]) if self._pending else data[:cut]
+        rest = data[cut:]
+        self._pending = [rest] if rest else []
+        self._size = len(rest)
+        if self._size > self._limit:
+            raise EventTooLarge(f"an event over {self._limit} bytes")
+        return block
 
 
 def events(block: bytes) -> list[bytes]:

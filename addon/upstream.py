@@ -8,7 +8,7 @@ and closing the transport is all it takes for llama-server to free the slot.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -118,7 +118,7 @@ class Response:
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self.tap: bytearray | None = None  # when set, keeps a copy of the body as read
+        self.tap: Callable[[bytes], None] | None = None  # when set, is given the body as read
         self.status = head.status_code
         self.reason = head.reason
         self.headers = head.headers.raw_items()  # as the server wrote them
@@ -140,7 +140,7 @@ class Response:
         while True:
             if data and (out := decoder.feed(data)):
                 if self.tap is not None:
-                    self.tap += out
+                    self.tap(out)
                 yield out
             if decoder.complete:
                 return

@@ -31,6 +31,9 @@ from scripts.replayserver import ReplayServer, request_difference
 
 VOLATILE = ("id", "created", "system_fingerprint", "timings")
 PAUSE = re.compile(r", first byte after [0-9.]+ ms")
+# Handoffs asked for (replayed by asking again at the cut), and how a POST is described.
+ASKED = {"requested", "pressure", "slow"}
+REQUESTED = "requested by POST /spillover/handoff: "
 
 
 @dataclass
@@ -86,6 +89,9 @@ async def _replay_answer(
         for server in servers.values():
             await server.stop()
     back = {new: old for old, new in urls.items()}
+    for handoff in meta["handoffs"]:
+        if handoff["kind"] in ASKED and handoff["kind"] != "requested":
+            back[REQUESTED + handoff["reason"]] = handoff["reason"]
     _compare(answer, response, back, outcome)
     for server in servers.values():
         outcome.differences += filter(None, map(request_difference, server.exchanges))
@@ -133,7 +139,7 @@ async def _replay_request(
     async with httpx.AsyncClient(timeout=30) as client:
         send = client.post(f"{proxy.url}{request.path}", content=request.content, headers=headers)
         reply = asyncio.ensure_future(send)
-        asked = [h for h in meta["handoffs"] if h["asked"]]
+        asked = [h for h in meta["handoffs"] if h["kind"] in ASKED]
         cut_legs = [
             r
             for s in servers.values()
@@ -167,7 +173,14 @@ async def _ask_at_the_cut(client, proxy, handoff: dict, leg, outcome: Outcome) -
         outcome.differences.append(
             f"the answer stood at {tokens} tokens, not {handoff['at_token']}, at the cut"
         )
-    await client.post(f"{proxy.url}/spillover/handoff", json={"reason": handoff["reason"]})
+    await client.post(f"{proxy.url}/spillover/handoff", json={"reason": asked_reason(handoff)})
+
+
+def asked_reason(handoff: dict) -> str:
+    """The reason to give POST /spillover/handoff so the note reads as recorded, as far as
+    it can: a pressure or slowdown handoff is asked for by POST here, and says so."""
+    reason = handoff["reason"]
+    return reason.removeprefix(REQUESTED) if handoff["kind"] == "requested" else reason
 
 
 def _normalized(data: bytes, back: dict[str, str]) -> list:

@@ -6,7 +6,9 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
     python -m scripts.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
 
-With "logprobs": true each chunk carries its token's id, as llama-server's do. It also
+With "logprobs": true each chunk carries its token's id, as llama-server's do; with
+"big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
+It also
 answers the questions the addon asks a server at start (/props, /v1/models, /tokenize).
 """
 
@@ -53,6 +55,17 @@ def framed(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+async def send_big_event(writer: asyncio.StreamWriter, mib: int) -> None:
+    """Nine ordinary events, then one of `mib` MiB, written a 64 KiB HTTP chunk at a time."""
+    writer.write(b"".join(framed(chunk(i)) for i in range(9)))
+    head, piece = b'data: {"choices":[{"index":0,"delta":{"content":"', b"x" * 65536
+    writer.write(framed(head))
+    for _ in range(mib * 16):
+        writer.write(framed(piece))
+        await writer.drain()
+    writer.write(framed(b'"},"finish_reason":null}],"object":"chat.completion.chunk"}\n\n'))
+
+
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
@@ -73,6 +86,8 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             count = int(body.get("max_tokens", 1000))
             interval = float(body.get("interval_ms", 0)) / 1000
             writer.write(HEAD)
+            if big := int(body.get("big_event_mib", 0)):
+                await send_big_event(writer, big)
             if interval:
                 for i in range(count):
                     writer.write(framed(chunk(i, ids=ids)))

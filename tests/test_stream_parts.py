@@ -42,6 +42,22 @@ def test_splitter_finds_the_same_events_however_the_bytes_arrive(points: list[in
     assert len(found) == 6 and sse.is_done(found[-1]) and sse.is_comment(found[2])
 
 
+@given(st.lists(st.integers(min_value=0), max_size=12))
+def test_splitter_reads_crlf_streams_however_the_bytes_arrive(points: list[int]) -> None:
+    splitter = sse.EventSplitter()
+    crlf = STREAM.replace(b"\n", b"\r\n")
+    found = [e for part in cuts(crlf, points) for e in sse.events(splitter.feed(part))]
+    assert found == sse.events(STREAM)
+
+
+def test_an_event_over_the_limit_is_refused_as_it_grows() -> None:
+    splitter = sse.EventSplitter(limit=1000)
+    assert splitter.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
+    splitter.feed(b"x" * 900)
+    with pytest.raises(sse.EventTooLarge):
+        splitter.feed(b"x" * 200)
+
+
 def test_splitter_accepts_crlf_streams() -> None:
     splitter = sse.EventSplitter()
     block = splitter.feed(STREAM.replace(b"\n", b"\r\n")[:-3]) + splitter.feed(b"\r\n\r\n"[-3:])
