@@ -303,8 +303,9 @@ class Splice:
             response.tap = exchange.keep
         try:
             if response.status != 200:
-                if rewriter is None and response.status < 500:
-                    # The request itself was refused (bad input): the client gets it as is.
+                if response.status < 500 and not client.started:
+                    # The request itself was refused (bad input), by the first server or
+                    # by one that was asked it unchanged: the client gets the refusal as is.
                     client.respond(
                         response.status,
                         forwardable(response.headers),
