@@ -8,7 +8,7 @@ from typing import Any
 from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
 from addon.exact import NativeRewriter, NativeToChat, Rewriter, native_body
 from addon.handoff import Handoff, seeded_sampling
-from addon.servers import ServerDirectory
+from addon.servers import ServerDirectory, upper_bound
 from addon.shape import mapping
 from addon.upstream import Upstream
 
@@ -76,6 +76,17 @@ class NextLeg:
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
         return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    def fits_without_asking(self, upstream: Upstream) -> bool:
+        """Whether the rest of the answer surely fits on `upstream`, known without a
+        request (its slot size is unknown, or a bound from the text's size proves it)."""
+        if self._servers is None:
+            return True
+        context = self._servers.get(upstream).slot_context
+        if context is None:
+            return True
+        bound = upper_bound(continuation_body(self.body, self.transcript))
+        return bound is not None and bound <= context
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before

@@ -283,7 +283,9 @@ class Spillover:
         ]
         self._handoff(ids, reason, "pressure")
 
-    def _handoff(self, flow_ids: Iterable[str], reason: str, kind: str) -> list[asyncio.Task[bool]]:
+    def _handoff(
+        self, flow_ids: Iterable[str], reason: str, kind: str
+    ) -> list[asyncio.Future[bool]]:
         """Ask each stream to move; one stream's trouble never keeps another from moving."""
         moves = []
         for flow_id in list(flow_ids):
@@ -378,7 +380,7 @@ class Spillover:
         }
 
 
-def _log_failed_move(move: asyncio.Task[bool]) -> None:
+def _log_failed_move(move: asyncio.Future[bool]) -> None:
     if not move.cancelled() and (exc := move.exception()) is not None:
         log.error("a handoff could not be carried out; the answer stays", exc_info=exc)
 

@@ -213,7 +213,7 @@ class ServerDirectory:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
         may still write; None when the server cannot tell. When a cheap bound says it fits
         in `room`, the server is not asked (asking costs two round trips in the pause)."""
-        if (bound := _upper_bound(body)) is not None and bound <= room:
+        if (bound := upper_bound(body)) is not None and bound <= room:
             return bound
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
@@ -234,7 +234,7 @@ class ServerDirectory:
 TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
 
 
-def _upper_bound(body: dict[str, Any]) -> int | None:
+def upper_bound(body: dict[str, Any]) -> int | None:
     """At most this many tokens: no token holds less than one byte of text."""
     prompt = body.get("prompt")
     if isinstance(prompt, str | list):

@@ -31,6 +31,7 @@ from addon.exact import (
 )
 from addon.exchange import Exchange
 from addon.handoff import Handoff
+from addon.ladder import Ladder
 from addon.nextleg import NextLeg
 from addon.pace import Pace, PaceLimits
 from addon.servers import ServerDirectory
@@ -95,11 +96,10 @@ class Splice:
         self._servers = servers
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
-        self._at = 0  # the ladder index of the server carrying the answer now
-        self._failed: set[int] = set()  # servers that failed this answer: never tried again
+        self._rungs = Ladder(self.ladder)
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
-        self._pending: tuple[str, str, float, int] | None = None  # reason, kind, when, where
+        self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
         self._finishing = False
         self._cancelled = False
         self._queued: list[bytes] = []
@@ -108,72 +108,65 @@ class Splice:
 
     @property
     def current(self) -> Upstream:
-        return self.ladder[self._at]
-
-    def _below(self) -> list[int]:
-        """Where an asked-for handoff may go: down the ladder, past servers that failed."""
-        return [i for i in range(self._at + 1, len(self.ladder)) if i not in self._failed]
-
-    def _after_failure(self) -> int | None:
-        """Where a failed leg goes: down the ladder, else back up to a server that was
-        left on request and has not failed this answer."""
-        above = [i for i in range(self._at) if i not in self._failed]
-        return next(iter([*self._below(), *above]), None)
+        return self._rungs.current
 
     @property
     def can_hand_off(self) -> bool:
-        return (
-            not self._finishing
-            and not self._moving
-            and self._leg_task is not None
-            and not self._leg_task.done()
-            and bool(self._below())
-        )
+        return self.can_cut and not self._moving and bool(self._rungs.below())
 
-    def handoff(self, reason: str, kind: str = "requested") -> asyncio.Task[bool] | None:
+    def handoff(self, reason: str, kind: str = "requested") -> asyncio.Future[bool] | None:
         """Ask to move the answer to the next server that has room for it. None when the
         answer is already complete or moving, when there is nowhere to go, or when no
-        other server could continue it faithfully; otherwise a task that says whether it
-        moved. Until a server with room is found the current leg carries on, and if there
-        is none it simply stays."""
+        other server could continue it faithfully; otherwise a future that says whether
+        it moved. When the next server surely has room the leg is cut at once; otherwise
+        it carries on while servers are asked, and stays if none has room."""
         if not self.can_hand_off:
             return None
         self.transcript.settle()
         if cannot_continue(self.body, self.transcript) is not None:
             return None
+        decided, below = time.monotonic(), self._rungs.below()
+        if self._next.fits_without_asking(self.ladder[below[0]]):
+            self._cut(reason, kind, decided, below[0])  # at once: the usual case
+            moved = asyncio.get_running_loop().create_future()
+            moved.set_result(True)
+            return moved
         self._moving = True
-        return asyncio.ensure_future(self._move(reason, kind, time.monotonic()))
+        return asyncio.ensure_future(self._move(reason, kind, decided, below))
 
-    async def _move(self, reason: str, kind: str, decided: float) -> bool:
+    async def _move(self, reason: str, kind: str, decided: float, below: list[int]) -> bool:
+        """Ask the servers below whether the rest fits, while the current leg goes on."""
         leg = self._leg_task
         try:
             target = None
-            for index in self._below():
+            for index in below:
                 if await self._next.fits(self.ladder[index]):
                     target = index
                     break
-            if (
-                target is None
-                or leg is not self._leg_task
-                or self._finishing
-                or self._pending is not None
-                or leg.done()
-            ):
+            if target is None or leg is not self._leg_task or not self.can_cut:
                 return False  # nowhere with room, or the answer ended or moved meanwhile
-            self._pending = (reason, kind, decided, target)
-            leg.cancel()
+            self._cut(reason, kind, decided, target)
             return True
         finally:
             if self._pending is None:
                 self._moving = False
 
+    @property
+    def can_cut(self) -> bool:
+        leg = self._leg_task
+        return leg is not None and not leg.done() and not self._finishing and not self._pending
+
+    def _cut(self, reason: str, kind: str, decided: float, target: int | None) -> None:
+        """Drop the current leg now; `run` goes on at `target` (None: as after a failure)."""
+        assert self._leg_task is not None
+        self._pending = (reason, kind, decided, target)
+        self._leg_task.cancel()
+
     def check_pace(self, now: float) -> None:
         """Leave a leg that stalled (like a failed one) or slowed far below its own pace
         (like an asked-for handoff: it stays if no other server has room)."""
-        pace, leg = self._pace, self._leg_task
-        if pace is None or leg is None or leg.done() or self._finishing or self._pending:
-            return
-        if (verdict := pace.verdict(now)) is None:
+        pace = self._pace
+        if pace is None or not self.can_cut or (verdict := pace.verdict(now)) is None:
             return
         kind, why = verdict
         reason = f"{self.current.url}: {why}"
@@ -181,8 +174,7 @@ class Splice:
             self.handoff(reason, kind)
             return
         self._pace = None
-        self._pending = (reason, kind, now, None)
-        leg.cancel()
+        self._cut(reason, kind, now, None)
 
     def cancel(self) -> None:
         """The client went away: drop every leg."""
@@ -206,8 +198,7 @@ class Splice:
             if failure is None:
                 return
             if target is None:
-                self._failed.add(self._at)
-                target = self._after_failure()
+                target = self._rungs.after_failure()
             self.transcript.settle()
             if (why := cannot_continue(self.body, self.transcript)) is not None:
                 self._give_up(client, f"{failure}; {why}")
@@ -219,7 +210,7 @@ class Splice:
 
     def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
         source = self.current
-        self._at = target
+        self._rungs.at = target
         handoff = Handoff(
             reason=reason,
             source=source.url,

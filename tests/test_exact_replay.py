@@ -117,7 +117,7 @@ def test_replaying_text_instead_drifts_at_some_cuts(start_server, start_proxy) -
 def test_a_client_that_asks_for_logprobs_gets_them_from_both_legs(twins) -> None:
     first, _, proxy = twins
     body = chat_body(ANSWER, logprobs=True, top_logprobs=2)
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 10))
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 10, hold=first))
     assert_one_clean_stream(stream)
     assert cut_and_replay(stream)[1] == "token ids"
     assert stream.text == direct_text(first.url, ANSWER)
@@ -129,9 +129,9 @@ def test_a_client_that_asks_for_logprobs_gets_them_from_both_legs(twins) -> None
 
 
 def test_usage_counts_the_whole_answer_across_an_exact_replay(twins) -> None:
-    _, _, proxy = twins
+    first, _, proxy = twins
     body = chat_body(ANSWER, stream_options={"include_usage": True})
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 12))
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 12, hold=first))
     assert_one_clean_stream(stream)
     (usage,) = [c["usage"] for c in stream.chunks if c.get("usage")]
     assert usage["completion_tokens"] == ANSWER
@@ -142,7 +142,10 @@ def test_usage_counts_the_whole_answer_across_an_exact_replay(twins) -> None:
 def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) -> None:
     first, _, proxy = twins
     whole = direct_text(first.url, ANSWER)
-    stop = " " + whole.split()[-6]  # a word late in the answer, after the cut
+    # A word whose first appearance is late in the answer, well after the cut.
+    late = [" " + w for w in reversed(whole.split()) if whole.find(" " + w) > len(whole) // 2]
+    assert late, f"no word appears first in the second half of {whole!r}"
+    stop = late[min(5, len(late) - 1)]
     expected = direct_text(first.url, ANSWER, stop=[stop])
     assert len(expected) < len(whole)
     on_chunk = handoff_after(proxy, 8, hold=first)

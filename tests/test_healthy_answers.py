@@ -7,6 +7,7 @@ import httpx
 
 from scripts.processes import free_port
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
+from tests.test_splice import held
 
 CONTROL = httpx.Client()
 
@@ -39,15 +40,22 @@ def test_the_primary_takes_the_answer_back_when_the_fallback_fails(
     proxy = start_proxy(primary.url, [nobody])
     moved: list[int] = []
 
+    # Whatever a requester says, the handoff is a requested one, and its reason is short.
+    says = {"reason": "memory pressure on nvml:0\n" + "x" * 1000}
+
     def ask(n: int) -> None:
         if n == 20:
-            moved.append(CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"])
+            with held(primary):
+                reply = CONTROL.post(f"{proxy.url}/spillover/handoff", json=says)
+                moved.append(reply.json()["handed_off"])
 
     stream = read_stream(proxy.url, chat_body(300), on_chunk=ask)
     assert moved == [1]
     assert_one_clean_stream(stream)
     there, back = stream.notes
-    assert f"{primary.url} -> {nobody}" in there and "requested" in there
+    assert f"{primary.url} -> {nobody}" in there
+    assert "(requested by POST /spillover/handoff: memory pressure on nvml:0 xxx" in there
+    assert "x" * 200 not in there
     assert f"{nobody} -> {primary.url}" in back and "cannot connect" in back
     assert stream.segments[1] == ""
     assert sum(stream.segment_tokens) == 300

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.streams import assert_one_clean_stream, chat_body, read_stream
+from tests.streams import RawStream, assert_one_clean_stream, chat_body, read_stream
 
 QUICK = ["spillover_stall_s=1", "spillover_first_token_s=2"]
 
@@ -24,6 +24,19 @@ def _resume(server) -> None:
     os.kill(server.pid, signal.SIGCONT)
 
 
+def assert_left_once(stream: RawStream, tokens: int, *said: str) -> None:
+    """One clean answer of `tokens` tokens, moved once, with a note that says `said`."""
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert all(words in note for words in said), note
+    assert sum(stream.segment_tokens) == tokens
+
+
+def assert_counted(proxy, kind: str) -> None:
+    metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
+    assert f'spillover_handoffs_total{{kind="{kind}"}} 1.0' in metrics
+
+
 def test_a_stalled_primary_is_left_for_the_fallback(start_server, start_proxy, fallback) -> None:
     primary = start_server("primary")
     proxy = start_proxy(primary.url, [fallback.url], options=QUICK)
@@ -33,12 +46,8 @@ def test_a_stalled_primary_is_left_for_the_fallback(start_server, start_proxy, f
         )
     finally:
         _resume(primary)
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert f"{primary.url} -> {fallback.url}" in note and "nothing for 1." in note
-    assert sum(stream.segment_tokens) == 600
-    metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
-    assert 'spillover_handoffs_total{kind="stalled"} 1.0' in metrics
+    assert_left_once(stream, 600, f"{primary.url} -> {fallback.url}", "nothing for 1.")
+    assert_counted(proxy, "stalled")
 
 
 def test_a_primary_that_never_answers_is_left_before_its_first_token(
@@ -94,7 +103,7 @@ def test_a_slowed_primary_is_left_for_the_fallback(start_server, start_proxy) ->
     cycler = threading.Thread(target=duty_cycle)
 
     def on_chunk(n: int) -> None:
-        if n == 200:
+        if n == 60:  # early: a fast primary must not have sent the whole answer already
             cycler.start()
 
     try:
@@ -104,9 +113,6 @@ def test_a_slowed_primary_is_left_for_the_fallback(start_server, start_proxy) ->
         if slowed.is_set():
             cycler.join()
         _resume(primary)
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert f"{primary.url} -> {fallback.url}" in note and "events/s over 1 s, down from" in note
-    assert sum(stream.segment_tokens) == 3000
-    metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
-    assert 'spillover_handoffs_total{kind="slow"} 1.0' in metrics
+    moved = f"{primary.url} -> {fallback.url}"
+    assert_left_once(stream, 3000, moved, "events/s over 1 s, down from")
+    assert_counted(proxy, "slow")
