@@ -125,16 +125,24 @@ class Transcript:
 def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
     """The token pieces a chat chunk carries in its logprobs (None when it carries none);
     with `strip`, the logprobs are removed from the chunk."""
-    pieces: list[Piece] | None = None
+    pieces: list[Piece | None] | None = None
     for choice in chunk.get("choices") or ():
         logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
-    return pieces
+    known = [piece for piece in pieces or () if piece is not None]
+    if pieces is None or len(known) != len(pieces):
+        return None  # none, or in a form without ids: the text is what can be replayed
+    return known
 
 
-def _piece(entry: dict[str, Any]) -> Piece:
-    return int(entry["id"]), bytes(entry["bytes"])
+def _piece(entry: Any) -> Piece | None:
+    if not isinstance(entry, dict) or not isinstance(token := entry.get("id"), int):
+        return None
+    try:
+        return token, bytes(entry["bytes"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:

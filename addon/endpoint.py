@@ -35,7 +35,7 @@ class HttpClientStream:
         self.started = True
         head = h11.Response(
             status_code=status,
-            headers=[*headers, (b"transfer-encoding", b"chunked")],
+            headers=[*headers, (b"Transfer-Encoding", b"chunked")],  # as llama-server writes it
             reason=reason or _phrase(status),
         )
         self._writer.write(self._conn.send(head))
@@ -57,7 +57,7 @@ class HttpClientStream:
         self.started = self.ended = True
         head = h11.Response(
             status_code=status,
-            headers=[*headers, (b"content-length", str(len(body)).encode())],
+            headers=[*headers, (b"Content-Length", str(len(body)).encode())],
             reason=reason or _phrase(status),
         )
         self._writer.write(

@@ -39,7 +39,14 @@ def eligible(path: str, body: dict[str, Any]) -> bool:
 
 
 def client_wants_logprobs(body: dict[str, Any]) -> bool:
-    return body.get("logprobs") is True
+    """Whether the client asked for token probabilities in any form the server takes:
+    `logprobs` true (chat) or a count (text completions), or llama.cpp's `n_probs`."""
+    logprobs = body.get("logprobs")
+    return (
+        logprobs is True
+        or positive_int(logprobs) is not None
+        or bool(positive_int(body.get("n_probs")))
+    )
 
 
 def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +64,8 @@ def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int
     if (limit := token_limit(body)) is not None:
         native["n_predict"] = max(1, limit - produced)
     if client_wants_logprobs(body):
-        native["n_probs"] = positive_int(body.get("top_logprobs")) or 1
+        asked = positive_int(body.get("top_logprobs")) or positive_int(body.get("n_probs"))
+        native["n_probs"] = asked or 1
         native["post_sampling_probs"] = bool(body.get("post_sampling_probs"))
     else:
         native["n_probs"] = 1

@@ -151,7 +151,7 @@ class Spillover:
             urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
             self.fallbacks = [Upstream(u) for u in urls if u]
             if self._loop is not None:
-                self.servers.learn(self.fallbacks)
+                self.servers.learn(self.fallbacks, fallbacks=True)
 
     async def running(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -160,7 +160,8 @@ class Spillover:
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
-        self.servers.learn([*self._known_primaries(), *self.fallbacks])
+        self.servers.learn(self._known_primaries())
+        self.servers.learn(self.fallbacks, fallbacks=True)
         log.info(
             "spillover: carrying chat and text completions; fallbacks: %s",
             ", ".join(u.url for u in self.fallbacks) or "none",
@@ -244,7 +245,11 @@ class Spillover:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         live = self.live.get(flow.id)
-        if live is None or flow.response is None:
+        if flow.response is None:
+            return
+        if live is None:
+            if not flow.response.stream and arrives_in_pieces(flow.response):
+                flow.response.stream = True  # as it comes; -w still keeps it whole
             return
         flow.response.stream = live.splice.streaming
         # The request has gone to the endpoint: show and record it as sent to the primary.
@@ -378,6 +383,15 @@ class Spillover:
             ],
             **{name: part() for name, part in self.status_parts.items()},
         }
+
+
+def arrives_in_pieces(response: http.Response) -> bool:
+    """An event stream, NDJSON or any chunked body: the client reads it as it comes
+    (llama-server's native /completion stream, Ollama-style NDJSON), so mitmproxy must
+    not hold it back until the end."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+    return chunked or kind in ("text/event-stream", "application/x-ndjson")
 
 
 def _log_failed_move(move: asyncio.Future[bool]) -> None:

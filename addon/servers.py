@@ -109,9 +109,10 @@ class ServerDirectory:
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
 
-    def learn(self, upstreams: list[Upstream]) -> None:
+    def learn(self, upstreams: list[Upstream], fallbacks: bool = False) -> None:
         """Ask each server not yet known, in the background (one that could not answer
-        is asked again, at most every few seconds)."""
+        is asked again, at most every few seconds). Only fallbacks are asked to generate
+        (the prefill probe): a primary is asked nothing that changes its state."""
         now = time.monotonic()
         for upstream in upstreams:
             known = self.info.get(upstream)
@@ -120,7 +121,7 @@ class ServerDirectory:
             if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
                 continue
             self._asked[upstream] = now
-            task = asyncio.ensure_future(self._probe(upstream))
+            task = asyncio.ensure_future(self._probe(upstream, fallbacks))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -150,7 +151,7 @@ class ServerDirectory:
             response = await self.client.post(url, json=body, headers=headers)
         return response.raise_for_status().json()
 
-    async def _probe(self, upstream: Upstream) -> None:
+    async def _probe(self, upstream: Upstream, generate: bool) -> None:
         info = ServerInfo()
         try:
             props = await self._ask(upstream, "/props")
@@ -161,10 +162,11 @@ class ServerDirectory:
             info.model, info.tokenizer = await self._tokenizer(upstream)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
             _unanswered(info, "/tokenize", exc)
-        try:
-            info.echoes_prefill = await self._echoes(upstream)
-        except (httpx.HTTPError, ValueError) as exc:
-            _unanswered(info, "/v1/chat/completions", exc)
+        if generate:
+            try:
+                info.echoes_prefill = await self._echoes(upstream)
+            except (httpx.HTTPError, ValueError) as exc:
+                _unanswered(info, "/v1/chat/completions", exc)
         self.info[upstream] = info
 
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
@@ -201,6 +203,7 @@ class ServerDirectory:
             ],
             "max_tokens": 1,
             "temperature": 0,
+            "cache_prompt": False,  # nothing of it stays in the server's prompt cache
         }
         reply = await self._ask(upstream, "/v1/chat/completions", body)
         try:

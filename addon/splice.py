@@ -37,7 +37,7 @@ from addon.pace import Pace, PaceLimits
 from addon.servers import ServerDirectory
 from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
-from addon.wire import ClientStream, Header, error_event, error_text, forwardable
+from addon.wire import ClientStream, Header, error_event, error_text, forwardable, passed_back
 
 SEP = sse.TERMINATOR
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class Splice:
         ]
         self._credentials = credentials or Credentials()
         self._accepted = False  # the primary has answered: the client is one it lets in
+        # The primary's own error response, if it refused before any byte went out.
+        self._refusal: tuple[int, list[Header], bytes, bytes] | None = None
         self.body = body
         self.ladder = list(ladder)
         # Token-exact replay needs the first leg's token ids: ask for them when another
@@ -85,8 +87,9 @@ class Splice:
             and eligible(path, body)
             and any(servers.same_tokenizer(self.ladder[0], other) for other in self.ladder[1:])
         )
-        self._strip_pieces = not client_wants_logprobs(body)
-        if self.asks_ids and self._strip_pieces:
+        # Ids the addon asked for itself are taken out again; what the client asked for stays.
+        self._strip_pieces = self.asks_ids and not client_wants_logprobs(body)
+        if self._strip_pieces:
             raw_body = json.dumps(asking_for_ids(body)).encode()
         self.raw_body = raw_body
         self.transcript = Transcript()
@@ -235,6 +238,8 @@ class Splice:
         message = f"no server could continue this answer: {failure}"
         if client.started:
             client.end(error_event(message) + SEP)
+        elif self._refusal is not None:
+            client.respond(*self._refusal)  # the primary's own error
         else:
             body = json.dumps({"error": {"code": 502, "message": message, "type": "server_error"}})
             client.respond(502, [(b"content-type", b"application/json")], body.encode())
@@ -299,19 +304,28 @@ class Splice:
                     # by one that was asked it unchanged: the client gets the refusal as is.
                     client.respond(
                         response.status,
-                        forwardable(response.headers),
+                        passed_back(response.headers),
                         await response.read_all(),
                         response.reason,
                     )
                     return None
+                if upstream == self.ladder[0] and not self.handoffs:
+                    # Kept for the client in case no other server can answer either.
+                    said = await response.read_all()
+                    self._refusal = (
+                        response.status,
+                        passed_back(response.headers),
+                        said,
+                        response.reason,
+                    )
                 return f"HTTP {response.status} from {upstream.url}"
             if not self.streaming:
                 answer = await response.read_all()
                 notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
-                client.respond(200, forwardable(response.headers) + notes, answer, response.reason)
+                client.respond(200, passed_back(response.headers) + notes, answer, response.reason)
                 return None
             if not client.started:
-                client.start(200, forwardable(response.headers), response.reason)
+                client.start(200, passed_back(response.headers), response.reason)
             if self._queued:
                 client.write(b"".join(self._queued))
                 self._queued.clear()
@@ -328,7 +342,7 @@ class Splice:
         held: list[bytes] = []
         transcript = self.transcript
         # Chunks carrying ids the client did not ask for are read, to take the ids out.
-        fast = not (self.asks_ids and self._strip_pieces)
+        fast = not self._strip_pieces
         pace = self._pace
         async for data in body:
             if pace is not None:

@@ -175,7 +175,6 @@ def sent_headers(
         (b"host", upstream.authority.encode()),
         (b"content-length", str(len(body)).encode()),
         (b"accept-encoding", b"identity"),
-        (b"connection", b"close"),
         *headers,
     ]
 

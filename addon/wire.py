@@ -15,6 +15,9 @@ HOP_BY_HOP = {
     b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
     b"upgrade", b"proxy-authenticate", b"proxy-authorization", b"content-encoding",
 }  # fmt: skip
+# A response reaches the client with every header the server wrote but its framing: the
+# endpoint frames the body itself (chunked for a stream).
+FRAMING = {b"transfer-encoding", b"content-length"}
 Header = tuple[bytes, bytes]
 
 
@@ -38,7 +41,13 @@ class ClientStream(Protocol):
 
 
 def forwardable(headers: Sequence[Header]) -> list[Header]:
+    """A client's request headers that go on to a server (hop-by-hop ones do not)."""
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+
+
+def passed_back(headers: Sequence[Header]) -> list[Header]:
+    """A server's response headers as the client gets them."""
+    return [(k, v) for k, v in headers if k.lower() not in FRAMING]
 
 
 def error_event(message: str, code: int = 503) -> bytes:

@@ -75,3 +75,34 @@ def start_proxy(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
     yield start
     for mitm in started:
         mitm.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server_module(
+    models: dict[str, Path], server_logs: Path
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Like start_server, for servers a whole test module shares."""
+    started: list[LlamaServer] = []
+
+    def start(model: str = "primary", **kwargs) -> LlamaServer:
+        server = LlamaServer(models[model], log_dir=server_logs, **kwargs)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def start_proxy_module(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
+    started: list[Mitmdump] = []
+
+    def start(primary: str, fallbacks: list[str], **kwargs) -> Mitmdump:
+        mitm = Mitmdump(primary, fallbacks, log_dir=server_logs, **kwargs)
+        started.append(mitm)
+        return mitm.start()
+
+    yield start
+    for mitm in started:
+        mitm.stop()
