@@ -1,4 +1,4 @@
-"""Who may use the control routes (/spillover/status, /metrics, /handoff).
+"""The control routes (/spillover/status, /metrics, POST /handoff), and who may use them.
 
 They show live flows and servers and can move anyone's answer, so by default only
 clients on this machine (loopback) are answered. A bearer token admits others. Anyone
@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import ctx, exceptions, http
+
+from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+CONTROL_PREFIX = "/spillover/"
+REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 
 
 def read_secret(value: str) -> str:
@@ -39,9 +47,18 @@ def is_loopback(peer: tuple | None) -> bool:
     return address.is_loopback
 
 
-class ControlAccess:
-    def __init__(self) -> None:
+class Control:
+    def __init__(
+        self,
+        handoff: Callable[[str | None, str], Awaitable[int]],
+        status: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes],
+    ) -> None:
+        """`handoff(flow id or None for all, reason)` says how many answers moved."""
         self.token = ""
+        self._handoff = handoff
+        self._status = status
+        self._metrics = metrics
 
     def configure(self, option: str) -> None:
         self.token = read_secret(option)
@@ -61,3 +78,40 @@ class ControlAccess:
         if admitted:
             flow.request.headers.pop("authorization", None)
         return admitted
+
+    async def answer(self, flow: http.HTTPFlow) -> None:
+        route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
+        method = flow.request.method
+        if route == "handoff" and method == "POST":
+            flow.response = await self._handoff_route(flow.request.content or b"{}")
+        elif route == "status" and method == "GET":
+            flow.response = _json(200, self._status())
+        elif route == "metrics" and method == "GET":
+            flow.response = http.Response.make(
+                200, self._metrics(), {"content-type": METRICS_CONTENT_TYPE}
+            )
+        else:
+            flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
+
+    async def _handoff_route(self, content: bytes) -> http.Response:
+        try:
+            args = json.loads(content)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            return _json(400, {"error": "body must be a JSON object"})
+        wanted, reason = args.get("flow"), args.get("reason")
+        if wanted is not None and not isinstance(wanted, str):
+            return _json(400, {"error": "flow must be a flow id (a string)"})
+        if reason is not None and not isinstance(reason, str):
+            return _json(400, {"error": "reason must be a string"})
+        why = "requested by POST /spillover/handoff"
+        if reason:
+            why += f": {' '.join(reason.split())[:REASON_LIMIT]}"
+        return _json(200, {"handed_off": await self._handoff(wanted, why)})
+
+
+def _json(status: int, payload: Any) -> http.Response:
+    return http.Response.make(
+        status, json.dumps(payload).encode(), {"content-type": "application/json"}
+    )

@@ -13,12 +13,11 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from addon.control import ControlAccess
+from addon.control import CONTROL_PREFIX, Control
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff
-from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from addon.metrics import Metrics
 from addon.pace import PaceLimits
 from addon.servers import ServerDirectory
@@ -33,9 +32,7 @@ SPLICED = {
     "/v1/completions": "prompt",
     "/completions": "prompt",
 }
-CONTROL_PREFIX = "/spillover/"
 PACE_TICK_S = 0.25  # how often live legs are checked for stalls and slowdowns
-REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 MARK = ":twisted_rightwards_arrows:"
 
 
@@ -76,7 +73,7 @@ class Spillover:
         self._pace_watch: asyncio.Future[None] | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
-        self.control = ControlAccess()
+        self.control = Control(self._requested_handoff, self.status, self.metrics.render)
         self.credentials = Credentials()
 
     def load(self, loader) -> None:
@@ -200,7 +197,7 @@ class Spillover:
         if flow.response is not None or flow.error is not None or _recorded(flow):
             return  # answered already: a flow read from a file (-r), or another addon's
         if flow.request.path.startswith(CONTROL_PREFIX) and self.control.admits(flow):
-            await self._control(flow)
+            await self.control.answer(flow)
             return
         if not self.endpoint.running:
             return
@@ -334,37 +331,11 @@ class Spillover:
         if (save := ctx.master.addons.get("save")) is not None:
             save.save_flow(flow)
 
-    async def _control(self, flow: http.HTTPFlow) -> None:
-        route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
-        if route == "handoff" and flow.request.method == "POST":
-            try:
-                args = json.loads(flow.request.content or b"{}")
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                flow.response = _json(400, {"error": "body must be a JSON object"})
-                return
-            wanted, reason = args.get("flow"), args.get("reason")
-            if wanted is not None and not isinstance(wanted, str):
-                flow.response = _json(400, {"error": "flow must be a flow id (a string)"})
-                return
-            if reason is not None and not isinstance(reason, str):
-                flow.response = _json(400, {"error": "reason must be a string"})
-                return
-            why = "requested by POST /spillover/handoff"
-            if reason:
-                why += f": {' '.join(reason.split())[:REASON_LIMIT]}"
-            moves = self._handoff([wanted] if wanted else list(self.live), why, "requested")
-            moved = await asyncio.gather(*moves, return_exceptions=True)
-            flow.response = _json(200, {"handed_off": sum(m is True for m in moved)})
-        elif route == "status" and flow.request.method == "GET":
-            flow.response = _json(200, self.status())
-        elif route == "metrics" and flow.request.method == "GET":
-            flow.response = http.Response.make(
-                200, self.metrics.render(), {"content-type": METRICS_CONTENT_TYPE}
-            )
-        else:
-            flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
+    async def _requested_handoff(self, flow_id: str | None, reason: str) -> int:
+        """Hand off one live answer, or all: how many moved."""
+        moves = self._handoff([flow_id] if flow_id else list(self.live), reason, "requested")
+        moved = await asyncio.gather(*moves, return_exceptions=True)
+        return sum(m is True for m in moved)
 
     def status(self) -> dict[str, Any]:
         for live in self.live.values():
@@ -402,9 +373,3 @@ def _log_failed_move(move: asyncio.Future[bool]) -> None:
 def _recorded(flow: http.HTTPFlow) -> bool:
     """A flow this addon made or carried before, read back from a recording."""
     return "spillover" in flow.metadata or "spillover_exchange" in flow.metadata
-
-
-def _json(status: int, payload: Any) -> http.Response:
-    return http.Response.make(
-        status, json.dumps(payload).encode(), {"content-type": "application/json"}
-    )
