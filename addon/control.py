@@ -23,6 +23,30 @@ CONTROL_PREFIX = "/spillover/"
 REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 
 
+def add_access_options(loader: Any) -> None:
+    """Who may steer the addon, and which credentials go where (see credentials.py)."""
+    loader.add_option(
+        "spillover_server_keys", str, "",
+        "Each server's own API key, for the addon's questions and for fallback legs: "
+        "URL=KEY,URL=@/path/to/file (a file keeps the key off the command line).",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_forward_credentials", str, "",
+        "Fallbacks that also get the client's own Authorization and Cookie headers "
+        "(comma-separated URLs, or 'all'); the primary always gets them.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_control", bool, True,
+        "Answer /spillover/status, /metrics and POST /spillover/handoff, /drain, /undrain on "
+        "the proxy port, to clients on this machine (loopback) and bearers of the control token.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_control_token", str, "",
+        "A bearer token that admits clients from other machines to the control routes "
+        "(Authorization: Bearer TOKEN); @/path/to/file reads it from a file.",
+    )  # fmt: skip
+
+
 def read_secret(value: str) -> str:
     """An option's secret: the value itself, or a file's first line for `@/path`, so the
     secret need not appear on a command line (where `ps` shows it)."""
@@ -53,12 +77,15 @@ class Control:
         handoff: Callable[[str | None, str], Awaitable[int]],
         status: Callable[[], dict[str, Any]],
         metrics: Callable[[], bytes],
+        drain: Callable[[str, bool], dict[str, Any]],
     ) -> None:
-        """`handoff(flow id or None for all, reason)` says how many answers moved."""
+        """`handoff(flow id or None for all, reason)` says how many answers moved;
+        `drain(server URL, on)` drains a server or lets it take new requests again."""
         self.token = ""
         self._handoff = handoff
         self._status = status
         self._metrics = metrics
+        self._drain = drain
 
     def configure(self, option: str) -> None:
         self.token = read_secret(option)
@@ -84,6 +111,8 @@ class Control:
         method = flow.request.method
         if route == "handoff" and method == "POST":
             flow.response = await self._handoff_route(flow.request.content or b"{}")
+        elif route in ("drain", "undrain") and method == "POST":
+            flow.response = self._drain_route(flow.request.content or b"{}", route == "drain")
         elif route == "status" and method == "GET":
             flow.response = _json(200, self._status())
         elif route == "metrics" and method == "GET":
@@ -109,6 +138,15 @@ class Control:
         if reason:
             why += f": {' '.join(reason.split())[:REASON_LIMIT]}"
         return _json(200, {"handed_off": await self._handoff(wanted, why)})
+
+    def _drain_route(self, content: bytes, on: bool) -> http.Response:
+        try:
+            server = json.loads(content).get("server")
+        except (ValueError, AttributeError):
+            server = None
+        if not isinstance(server, str) or not server:
+            return _json(400, {"error": 'body must be {"server": "http://host:port"}'})
+        return _json(200, self._drain(server, on))
 
 
 def _json(status: int, payload: Any) -> http.Response:

@@ -44,6 +44,15 @@ class Credentials:
         key = self.keys.get(url)
         return {"authorization": f"Bearer {key}"} if key else {}
 
+    def may_start_on(self, url: str, primary: str) -> bool:
+        """Whether a new request may start on fallback `url` without the primary having
+        seen it: not when the primary needs a key (only it can judge the client's), nor
+        when the fallback would need its own key, which is used only for clients the
+        primary accepted."""
+        if self.keys.get(primary):
+            return False
+        return self.forward_all or url in self.forward or not self.keys.get(url)
+
     def leg_headers(
         self, url: str, client: Sequence[Header], primary: bool, accepted: bool
     ) -> list[Header]:

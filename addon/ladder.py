@@ -8,14 +8,18 @@ but a server that failed an answer is never tried for it again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from addon.upstream import Upstream
 
 
 class Ladder:
-    def __init__(self, servers: Sequence[Upstream]) -> None:
+    def __init__(
+        self, servers: Sequence[Upstream], usable: Callable[[str], bool] = lambda _: True
+    ) -> None:
+        """`usable(url)`: whether a handoff may go there now (not down, not draining)."""
         self.servers = list(servers)
+        self.usable = usable
         self.at = 0  # the index of the server carrying the answer now
         self.failed: set[int] = set()
 
@@ -29,7 +33,11 @@ class Ladder:
 
     def below(self) -> list[int]:
         """Where an asked-for handoff may go: down the ladder, past servers that failed."""
-        return [i for i in range(self.at + 1, len(self.servers)) if i not in self.failed]
+        return [
+            i
+            for i in range(self.at + 1, len(self.servers))
+            if i not in self.failed and self.usable(self.servers[i].url)
+        ]
 
     def after_failure(self) -> int | None:
         """The current server failed the answer: where it goes now, if anywhere."""

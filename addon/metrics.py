@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from addon.handoff import Handoff
 
@@ -55,6 +55,14 @@ class Metrics:
                 total.add_metric([card], state["total_mib"])
         yield used
         yield total
+        reroutes = CounterMetricFamily(
+            "spillover_reroutes",
+            "New requests started away from the primary, by the primary's state.",
+            labels=["state"],
+        )
+        for state, count in ((status.get("routing") or {}).get("reroutes") or {}).items():
+            reroutes.add_metric([state], count)
+        yield reroutes
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

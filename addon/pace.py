@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 BASELINE_TOKENS = 32  # a leg's own rate means something once it has sent this many
 
@@ -23,6 +24,35 @@ class PaceLimits:
 
     def enabled(self) -> bool:
         return any((self.first_token_s, self.stall_s, self.slow_fraction))
+
+
+def add_pace_options(loader: Any) -> None:
+    loader.add_option(
+        "spillover_first_token_s", int, 300,
+        "Leave a server that has sent no answer this long after the request "
+        "(its prompt's prefill included); 0: never.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_stall_s", int, 20,
+        "Leave a server that sends nothing for this long mid-answer; 0: never.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_slow_percent", int, 10,
+        "Leave a server whose answer slows below this percentage of its own earlier "
+        "rate for spillover_slow_window_s; 0: never.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_slow_window_s", int, 5, "How long a slowdown must last (seconds).",
+    )  # fmt: skip
+
+
+def limits_from(options: Any) -> PaceLimits:
+    return PaceLimits(
+        first_token_s=options.spillover_first_token_s,
+        stall_s=options.spillover_stall_s,
+        slow_fraction=options.spillover_slow_percent / 100,
+        slow_window_s=options.spillover_slow_window_s,
+    )
 
 
 class Pace:

@@ -13,14 +13,15 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from addon.control import CONTROL_PREFIX, Control
+from addon.control import CONTROL_PREFIX, Control, add_access_options
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff
 from addon.metrics import Metrics
-from addon.pace import PaceLimits
-from addon.servers import ServerDirectory
+from addon.pace import add_pace_options, limits_from
+from addon.routing import Router
+from addon.servers import ServerDirectory, upper_bound
 from addon.splice import Splice
 from addon.upstream import Upstream
 
@@ -73,7 +74,10 @@ class Spillover:
         self._pace_watch: asyncio.Future[None] | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
-        self.control = Control(self._requested_handoff, self.status, self.metrics.render)
+        self.router = Router()
+        self.control = Control(
+            self._requested_handoff, self.status, self.metrics.render, self._drain
+        )
         self.credentials = Credentials()
 
     def load(self, loader) -> None:
@@ -97,43 +101,8 @@ class Spillover:
             "Show and record the addon's own upstream requests (each leg of an answer, "
             "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
-        loader.add_option(
-            "spillover_first_token_s", int, 300,
-            "Leave a server that has sent no answer this long after the request "
-            "(its prompt's prefill included); 0: never.",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_stall_s", int, 20,
-            "Leave a server that sends nothing for this long mid-answer; 0: never.",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_slow_percent", int, 10,
-            "Leave a server whose answer slows below this percentage of its own earlier "
-            "rate for spillover_slow_window_s; 0: never.",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_slow_window_s", int, 5, "How long a slowdown must last (seconds).",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_server_keys", str, "",
-            "Each server's own API key, for the addon's questions and for fallback legs: "
-            "URL=KEY,URL=@/path/to/file (a file keeps the key off the command line).",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_forward_credentials", str, "",
-            "Fallbacks that also get the client's own Authorization and Cookie headers "
-            "(comma-separated URLs, or 'all'); the primary always gets them.",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_control", bool, True,
-            "Answer /spillover/status, /spillover/metrics and POST /spillover/handoff on the "
-            "proxy port, to clients on this machine (loopback) and bearers of the control token.",
-        )  # fmt: skip
-        loader.add_option(
-            "spillover_control_token", str, "",
-            "A bearer token that admits clients from other machines to the control routes "
-            "(Authorization: Bearer TOKEN); @/path/to/file reads it from a file.",
-        )  # fmt: skip
+        add_pace_options(loader)
+        add_access_options(loader)
 
     def configure(self, updated: set[str]) -> None:
         if "spillover_control_token" in updated:
@@ -165,6 +134,7 @@ class Spillover:
         )
 
     async def done(self) -> None:
+        self.router.close()
         if self._pace_watch is not None:
             self._pace_watch.cancel()
         for live in self.live.values():
@@ -208,12 +178,17 @@ class Spillover:
         origin = (request.scheme, request.host, request.port)
         primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
         self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
+        ladder, route_note = self._ladder_for(primary, body)
         splice = Splice(
             path=request.path,
             headers=list(request.headers.fields),
             body=body,
             raw_body=request.content or b"",
-            ladder=[primary, *self.fallbacks],
+            ladder=ladder,
+            primary=primary,
+            usable=self.router.usable,
+            on_down=lambda server, why: self.router.mark_down(server.url, why, self.servers.client),
+            route_note=route_note,
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
             on_exchange=(
@@ -223,12 +198,7 @@ class Spillover:
             ),
             exact=ctx.options.spillover_exact_replay,
             credentials=self.credentials,
-            pace=PaceLimits(
-                first_token_s=ctx.options.spillover_first_token_s,
-                stall_s=ctx.options.spillover_stall_s,
-                slow_fraction=ctx.options.spillover_slow_percent / 100,
-                slow_window_s=ctx.options.spillover_slow_window_s,
-            ),
+            pace=limits_from(ctx.options),
         )
         token = self.endpoint.expect(splice)
         self.live[flow.id] = _Live(splice, token, origin)
@@ -239,6 +209,23 @@ class Spillover:
         }
         request.scheme, request.host, request.port = "http", "127.0.0.1", self.endpoint.port
         request.headers[TOKEN_HEADER] = token
+
+    def _ladder_for(
+        self, primary: Upstream, body: dict[str, Any]
+    ) -> tuple[list[Upstream], str | None]:
+        """The servers a new answer may use, the one it starts on first, and why it does
+        not start on the primary (when it does not)."""
+        ladder = [primary, *self.fallbacks]
+        bound = upper_bound(body)
+
+        def may_start(server: Upstream) -> bool:
+            context = self.servers.get(server).slot_context
+            fits = context is None or bound is None or bound <= context
+            return server == primary or (
+                fits and self.credentials.may_start_on(server.url, primary.url)
+            )
+
+        return self.router.plan(ladder, may_start)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         live = self.live.get(flow.id)
@@ -268,6 +255,27 @@ class Spillover:
         one); returns how many are moving."""
         moves = self._handoff((f.id for f in flows), "requested by spillover.handoff", "requested")
         return len(moves)
+
+    @command.command("spillover.drain")
+    def drain_command(self, server: str) -> int:
+        """Move every live answer off a server and start no new one there; returns how
+        many answers are moving."""
+        return self._drain(server, True)["moving"]
+
+    @command.command("spillover.undrain")
+    def undrain_command(self, server: str) -> None:
+        """Let a drained server take new requests again."""
+        self._drain(server, False)
+
+    def _drain(self, server: str, on: bool) -> dict[str, Any]:
+        url = server.strip().rstrip("/")
+        if not on:
+            self.router.draining.discard(url)
+            return {"server": url, "state": self.router.state(url)[0]}
+        self.router.draining.add(url)
+        ids = [i for i, live in self.live.items() if live.splice.current.url == url]
+        moves = self._handoff(ids, f"{url} is draining", "requested")
+        return {"server": url, "moving": len(moves), "live": len(ids)}
 
     def request_handoff(self, reason: str, servers: Iterable[str] | None = None) -> None:
         """Thread-safe: hand off every live stream whose current server is in `servers`
@@ -340,8 +348,17 @@ class Spillover:
     def status(self) -> dict[str, Any]:
         for live in self.live.values():
             live.splice.transcript.settle()
+        urls = [u.url for u in (*self._known_primaries(), *self.fallbacks)]
         return {
             "fallbacks": [u.url for u in self.fallbacks],
+            "routing": {
+                "states": self.router.status(urls),
+                "reroutes": dict(self.router.reroutes),
+                "live_per_server": {
+                    url: sum(live.splice.current.url == url for live in self.live.values())
+                    for url in urls
+                },
+            },
             "servers": {u.url: vars(i) for u, i in self.servers.info.items()},
             "live": [
                 {

@@ -65,7 +65,14 @@ class Splice:
         exact: bool = True,
         credentials: Credentials | None = None,
         pace: PaceLimits | None = None,
+        primary: Upstream | None = None,
+        usable: Callable[[str], bool] = lambda _: True,
+        on_down: Callable[[Upstream, str], None] = lambda *_: None,
+        route_note: str | None = None,
     ) -> None:
+        """`primary`: the server the client addressed (the ladder may start elsewhere);
+        `usable`, `on_down`: the router's view of servers (see routing.py); `route_note`:
+        why the answer starts where it does, told to the client."""
         self.path = path
         # post() sets these itself for each upstream.
         self.headers = [
@@ -99,13 +106,18 @@ class Splice:
         self._servers = servers
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
-        self._rungs = Ladder(self.ladder)
+        self.primary = primary or self.ladder[0]
+        self._rungs = Ladder(self.ladder, usable)
+        self._on_down = on_down
+        self._route_note = route_note
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
         self._finishing = False
         self._cancelled = False
         self._queued: list[bytes] = []
+        if route_note:
+            self._queued.append(sse.comment(f"spillover: {route_note}") + SEP)
         self._limits = pace or PaceLimits()
         self._pace: Pace | None = None  # the current leg's
 
@@ -177,6 +189,7 @@ class Splice:
             self.handoff(reason, kind)
             return
         self._pace = None
+        self._on_down(self.current, why)
         self._cut(reason, kind, now, None)
 
     def cancel(self) -> None:
@@ -262,7 +275,7 @@ class Splice:
                 return request
             path, body, rewriter = request
         headers = self._credentials.leg_headers(
-            upstream.url, self.headers, upstream == self.ladder[0], self._accepted
+            upstream.url, self.headers, upstream == self.primary, self._accepted
         )
         exchange = Exchange(
             upstream.url, "POST", path, redacted(sent_headers(upstream, body, headers)), body,
@@ -289,11 +302,12 @@ class Splice:
         try:
             response = await post(upstream, path, body, headers)
         except UpstreamError as exc:
+            self._on_down(upstream, str(exc))
             return str(exc)
         exchange.respond(response.status, response.headers)
         if self._pace is not None:
             self._pace.saw(time.monotonic())
-        if upstream == self.ladder[0] and 200 <= response.status < 300:
+        if upstream == self.primary and 200 <= response.status < 300:
             self._accepted = True
         if self._on_exchange is not None:
             response.tap = exchange.keep
@@ -309,7 +323,7 @@ class Splice:
                         response.reason,
                     )
                     return None
-                if upstream == self.ladder[0] and not self.handoffs:
+                if not self.handoffs:
                     # Kept for the client in case no other server can answer either.
                     said = await response.read_all()
                     self._refusal = (
@@ -322,6 +336,8 @@ class Splice:
             if not self.streaming:
                 answer = await response.read_all()
                 notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
+                if self._route_note:
+                    notes.insert(0, (b"x-spillover-route", self._route_note.encode()))
                 client.respond(200, passed_back(response.headers) + notes, answer, response.reason)
                 return None
             if not client.started:
@@ -332,6 +348,7 @@ class Splice:
             self.transcript.begin_leg(upstream.url)
             return await self._pump(client, response.body(), upstream, rewriter)
         except UpstreamError as exc:
+            self._on_down(upstream, str(exc))
             return str(exc)
         finally:
             response.close()
@@ -414,6 +431,7 @@ class Splice:
             # The server finished its answer and died before [DONE]: the answer is whole.
             client.end(b"".join(held) + sse.DONE + SEP)
             return None
+        self._on_down(upstream, "closed the stream mid-answer")
         return f"{upstream.url} closed the stream mid-answer"
 
     def _flush(self, client: ClientStream, out: list[bytes]) -> None:

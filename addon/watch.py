@@ -7,6 +7,7 @@ Only streams whose current server uses the card under pressure are handed off
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from mitmproxy import ctx, exceptions
@@ -49,6 +50,10 @@ class MemoryWatch:
         add("spillover_free_floor_mib", int, 512, "Hand off when a card has this little free.")
         add("spillover_step_mib", int, 1024, "Hand off on a jump in use this big within 250 ms...")
         add("spillover_step_free_mib", int, 4096, "...that leaves at most this much free.")
+        add(
+            "spillover_dwell_s", int, 30,
+            "New requests return to a server only once its cards have been clear this long.",
+        )  # fmt: skip
         add(
             "spillover_cards", str, "",
             "Which cards each server uses, e.g. http://127.0.0.1:8081=nvml:0+nvml:1 "
@@ -109,6 +114,7 @@ class MemoryWatch:
             self.missing["udev"] = str(exc)
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
+        self.spillover.router.pressure = self.pressure_of
 
     def _stop(self) -> None:
         if self._udev is not None:
@@ -128,6 +134,14 @@ class MemoryWatch:
             if isinstance(mode, mode_specs.ReverseMode):
                 found.append(mode.data.rstrip("/"))
         return found
+
+    def pressure_of(self, server: str) -> str | None:
+        """Why a server's cards are not fit for new work now, or None."""
+        monitor, card_map = self.monitor, self.card_map
+        if monitor is None or card_map is None:
+            return None
+        cards = card_map.cards_of(server)
+        return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
 
     def _on_pressure(self, card: str, reason: str) -> None:
         """Runs on the monitor thread."""

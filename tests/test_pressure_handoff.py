@@ -13,6 +13,7 @@ from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard, mem_available_mib, write_meminfo
 from scripts.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
+from tests.test_splice import held
 
 LONG = 800
 
@@ -129,7 +130,15 @@ def test_a_fallback_under_pressure_hands_off_again(
             if live and live[0]["server"] == fallback.url:
                 break
             time.sleep(0.005)
-        card1.set_used(7800)
+        # Held while its card fills, so the fast fallback cannot finish the answer before
+        # the watcher has seen the step (two samples).
+        with held(fallback):
+            card1.set_used(7800)
+            while time.monotonic() < deadline + 5:
+                live = httpx.get(proxy.url + "/spillover/status").json()["live"]
+                if live and live[0]["server"] == last.url:
+                    break
+                time.sleep(0.005)
 
     stream = read_stream(proxy.url, chat_body(LONG), on_chunk=steps)
     assert_one_clean_stream(stream)

@@ -95,6 +95,15 @@ class MemoryMonitor:
             log.warning("memory pressure on %s: %s", card, reason)
             self.on_pressure(card, reason)
 
+    def pressed(self, cards: set[str], now: float, dwell_s: float) -> str | None:
+        """Why any of these cards is not yet fit for new work, or None."""
+        with self._lock:
+            for card in sorted(cards):
+                state = self.cards.get(card)
+                if state is not None and (why := state.pressed(now, dwell_s)) is not None:
+                    return why
+        return None
+
     def forget(self, card: str) -> None:
         """A card went away (hotplug): drop its state."""
         with self._lock:

@@ -32,6 +32,8 @@ class CardState:
     error: str | None = None
     armed: bool = True
     fired: int = 0
+    fired_for: str | None = None  # the line it last fired on
+    clear_since: float | None = None  # when it was last re-armed (reading time)
     suspect: str | None = None  # a line crossed on the previous sample, awaiting confirmation
     history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
@@ -65,6 +67,7 @@ class CardState:
         if not self.armed:
             if self.clear(reading, lines):
                 self.armed = True
+                self.clear_since = reading.time
             self.suspect = None
         elif line is None:
             self.suspect = None
@@ -75,9 +78,19 @@ class CardState:
             self.suspect = None
             self.armed = False
             self.fired += 1
+            self.fired_for = line
             self.history.append((reading.time, reading.used_mib))
             return line
         self.history.append((reading.time, reading.used_mib))
+        return None
+
+    def pressed(self, now: float, dwell_s: float) -> str | None:
+        """Why the card is not yet fit for new work: over a line (fired, not re-armed),
+        or re-armed less than `dwell_s` ago. None when it is clear."""
+        if not self.armed:
+            return f"{self.card}: {self.fired_for or 'over a line'}"
+        if self.clear_since is not None and now - self.clear_since < dwell_s:
+            return f"{self.card}: clear for {now - self.clear_since:.1f} s of {dwell_s:g}"
         return None
 
     def fail(self, error: str) -> None:

@@ -1,0 +1,112 @@
+"""Where a new request starts: each server's state, from what the addon measures.
+
+- ok;
+- pressured: a card it uses is over a line, or fired and has not yet been clear for the
+  dwell time (the memory watcher says so);
+- down: it refused a connection, died mid-answer or stalled; probed in the background
+  (`GET /health`) and back as soon as it answers;
+- draining: a person asked (`spillover.drain`); it gets no new request.
+
+A new request starts on the first server of its ladder that is ok, else on the first
+that is up (pressured beats down: it may yet survive). Drop fast, climb slow: the
+primary gets new requests again only once its card has stayed clear for the dwell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from addon.upstream import Upstream
+
+log = logging.getLogger(__name__)
+PROBE_EVERY_S = 1.0
+
+
+@dataclass
+class Down:
+    why: str
+    since: float
+
+
+class Router:
+    def __init__(self) -> None:
+        # Why a server's cards are not fit for new work (the memory watcher), or None.
+        self.pressure: Callable[[str], str | None] = lambda _: None
+        self.down: dict[str, Down] = {}
+        self.draining: set[str] = set()
+        self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    def state(self, url: str) -> tuple[str, str | None]:
+        """(ok | pressured | down | draining, why)."""
+        if url in self.draining:
+            return "draining", "drained by request"
+        if (down := self.down.get(url)) is not None:
+            return "down", down.why
+        if (why := self.pressure(url)) is not None:
+            return "pressured", why
+        return "ok", None
+
+    def plan(
+        self, ladder: list[Upstream], may_start: Callable[[Upstream], bool]
+    ) -> tuple[list[Upstream], str | None]:
+        """The ladder a new request uses, starting where it should, and why it does not
+        start on the primary (None when it does). Servers passed over stay on the ladder
+        after it, in their order: an answer can still end up there."""
+        start = self.first_stop(ladder, may_start)
+        if not start:
+            return ladder, None
+        primary = ladder[0].url
+        state, why = self.state(primary)
+        note = f"started on {ladder[start].url}: {primary} is {state} ({why})"
+        return [ladder[start], *ladder[:start], *ladder[start + 1 :]], note
+
+    def first_stop(self, ladder: list[Upstream], may_start: Callable[[Upstream], bool]) -> int:
+        """The index on `ladder` where a new request starts."""
+        states = [self.state(u.url) if may_start(u) else ("closed", None) for u in ladder]
+        for wanted in ("ok", "pressured"):
+            for index, (state, _) in enumerate(states):
+                if state == wanted:
+                    if index:
+                        why = states[0][0]
+                        self.reroutes[why] = self.reroutes.get(why, 0) + 1
+                    return index
+        return 0  # nothing is up: the primary, as without the addon
+
+    def usable(self, url: str) -> bool:
+        """Whether a handoff may go to this server now."""
+        return url not in self.draining and url not in self.down
+
+    def mark_down(self, url: str, why: str, client: httpx.AsyncClient) -> None:
+        if url in self.down:
+            return
+        log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
+        self.down[url] = Down(why, time.monotonic())
+        self._probes[url] = asyncio.ensure_future(self._probe(url, client))
+
+    async def _probe(self, url: str, client: httpx.AsyncClient) -> None:
+        try:
+            while True:
+                await asyncio.sleep(PROBE_EVERY_S)
+                try:
+                    if (await client.get(f"{url}/health", timeout=2)).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    continue
+            log.info("%s answers again", url)
+        finally:
+            self.down.pop(url, None)
+            self._probes.pop(url, None)
+
+    def close(self) -> None:
+        for probe in list(self._probes.values()):
+            probe.cancel()
+
+    def status(self, urls: list[str]) -> dict[str, dict[str, str | None]]:
+        return {url: dict(zip(("state", "why"), self.state(url), strict=True)) for url in urls}

@@ -1,0 +1,120 @@
+"""New requests start where they are safe: away from a server whose card is under pressure
+(until it has been clear for the dwell), away from a dead server (until it answers its
+/health again), away from a drained one. Real llama-servers, a real mitmdump, memory
+readings from a sysfs tree of real files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from scripts.llamaserver import LlamaServer
+from scripts.memfiles import FakeCard
+from scripts.mitm import watch_sysfs
+from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
+from tests.test_splice import held
+
+CONTROL = httpx.Client()
+
+
+def state_of(proxy, url: str) -> str:
+    return CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]["states"][url]["state"]
+
+
+def wait_for(proxy, url: str, state: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := state_of(proxy, url)) != state:
+        assert time.monotonic() < deadline, f"{url} stayed {seen}, never {state}"
+        time.sleep(0.02)
+
+
+def whole(proxy, tokens: int = 24) -> httpx.Response:
+    return CONTROL.post(
+        f"{proxy.url}/v1/chat/completions", json={**chat_body(tokens), "stream": False}
+    )
+
+
+def test_pressure_sends_new_requests_elsewhere_until_the_card_has_been_clear(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    options = [*watch_sysfs(sysfs, on), "spillover_dwell_s=1"]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    proxy.servers_known()
+    assert state_of(proxy, primary.url) == "ok"
+    card0.set_used(15900)  # 484 MiB free: under the floor
+    wait_for(proxy, primary.url, "pressured")
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"started on {fallback.url}: {primary.url} is pressured (drm:card0" in note
+    assert stream.text == direct_text(fallback.url, 40)
+    reply = whole(proxy)
+    assert reply.json()["choices"][0]["message"]["content"] == direct_text(fallback.url, 24)
+    assert "is pressured" in reply.headers["x-spillover-route"]
+
+    card0.set_used(10000)  # clear again: the primary gets new work after the dwell
+    wait_for(proxy, primary.url, "pressured")  # still, within the dwell
+    wait_for(proxy, primary.url, "ok")
+    stream = read_stream(proxy.url, chat_body(40))
+    assert stream.notes == [] and stream.text == direct_text(primary.url, 40)
+    routing = CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]
+    assert routing["reroutes"] == {"pressured": 2}
+    metrics = CONTROL.get(f"{proxy.url}/spillover/metrics").text
+    assert 'spillover_reroutes_total{state="pressured"} 2.0' in metrics
+
+
+def test_a_dead_primary_is_skipped_until_it_answers_again(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    primary.kill()
+    first = read_stream(proxy.url, chat_body(20))  # refused: starts on the fallback
+    assert_one_clean_stream(first)
+    assert "cannot connect" in first.notes[0]
+    assert state_of(proxy, primary.url) == "down"
+    second = read_stream(proxy.url, chat_body(20))
+    assert_one_clean_stream(second)
+    (note,) = second.notes  # not tried at all: it starts where it can
+    assert f"started on {fallback.url}: {primary.url} is down" in note
+    revived = start_server("primary", port=primary.port)
+    wait_for(proxy, primary.url, "ok")
+    third = read_stream(proxy.url, chat_body(20))
+    assert third.notes == [] and third.text == direct_text(revived.url, 20)
+
+
+def test_drain_moves_live_answers_and_keeps_new_ones_away(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    drained: list[dict] = []
+
+    def drain(n: int) -> None:
+        if n == 20:
+            with held(primary):
+                reply = CONTROL.post(f"{proxy.url}/spillover/drain", json={"server": primary.url})
+                drained.append(reply.json())
+
+    stream = read_stream(proxy.url, chat_body(600), on_chunk=drain)
+    assert drained == [{"server": primary.url, "moving": 1, "live": 1}]
+    assert_one_clean_stream(stream)
+    assert f"{primary.url} is draining" in stream.notes[0]
+    assert state_of(proxy, primary.url) == "draining"
+    status = CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]
+    assert status["live_per_server"][primary.url] == 0
+    later = read_stream(proxy.url, chat_body(20))
+    assert f"{primary.url} is draining" in later.notes[0]
+    assert later.text == direct_text(fallback.url, 20)
+    CONTROL.post(f"{proxy.url}/spillover/undrain", json={"server": primary.url})
+    assert state_of(proxy, primary.url) == "ok"
+    back = read_stream(proxy.url, chat_body(20))
+    assert back.notes == [] and back.text == direct_text(primary.url, 20)
