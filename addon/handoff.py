@@ -14,7 +14,9 @@ class Handoff:
     at_token: int
     at_char: int
     decided: float
-    kind: str  # "pressure" (the watcher), "requested" (a person), "failure", "stalled", "slow"
+    # "pressure" (the watcher), "requested" (a person, a drain), "failure", "stalled",
+    # "slow", "handback" (back to the primary once it is clear)
+    kind: str
     pause_ms: float | None = None
     replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
     caveat: str | None = None  # a promise of the request this handoff cannot keep

@@ -102,6 +102,15 @@ class Spillover:
             "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
         add_pace_options(loader)
+        loader.add_option(
+            "spillover_hand_back", bool, False,
+            "Move an answer back to the server it started on once that server is ok again "
+            "(its cards clear for spillover_dwell_s).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_hand_back_min_tokens", int, 200,
+            "...unless fewer tokens than this are still to come (when the request says).",
+        )  # fmt: skip
         add_access_options(loader)
 
     def configure(self, updated: set[str]) -> None:
@@ -146,9 +155,12 @@ class Spillover:
         while True:
             await asyncio.sleep(PACE_TICK_S)
             now = time.monotonic()
+            back = ctx.options.spillover_hand_back
             for flow_id, live in list(self.live.items()):
                 try:
                     live.splice.check_pace(now)
+                    if back and self.router.state(live.splice.primary.url)[0] == "ok":
+                        live.splice.hand_back(ctx.options.spillover_hand_back_min_tokens)
                 except Exception:
                     log.exception("pace check of %s failed", flow_id)
 

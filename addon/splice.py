@@ -21,6 +21,7 @@ from addon.continuation import (
     Transcript,
     cannot_continue,
     take_pieces,
+    token_limit,
 )
 from addon.credentials import Credentials, redacted
 from addon.exact import (
@@ -125,29 +126,40 @@ class Splice:
     def current(self) -> Upstream:
         return self._rungs.current
 
-    @property
-    def can_hand_off(self) -> bool:
-        return self.can_cut and not self._moving and bool(self._rungs.below())
-
-    def handoff(self, reason: str, kind: str = "requested") -> asyncio.Future[bool] | None:
-        """Ask to move the answer to the next server that has room for it. None when the
-        answer is already complete or moving, when there is nowhere to go, or when no
-        other server could continue it faithfully; otherwise a future that says whether
-        it moved. When the next server surely has room the leg is cut at once; otherwise
-        it carries on while servers are asked, and stays if none has room."""
-        if not self.can_hand_off:
+    def handoff(
+        self, reason: str, kind: str = "requested", targets: list[int] | None = None
+    ) -> asyncio.Future[bool] | None:
+        """Ask to move the answer to the first of `targets` (default: the servers below)
+        that has room for it. None when the answer is already complete or moving, when
+        there is nowhere to go, or when no other server could continue it faithfully;
+        otherwise a future that says whether it moved. When that server surely has room
+        the leg is cut at once; otherwise it carries on while servers are asked, and
+        stays if none has room."""
+        targets = self._rungs.below() if targets is None else targets
+        if not targets or not self.can_cut or self._moving:
             return None
         self.transcript.settle()
         if cannot_continue(self.body, self.transcript) is not None:
             return None
-        decided, below = time.monotonic(), self._rungs.below()
-        if self._next.fits_without_asking(self.ladder[below[0]]):
-            self._cut(reason, kind, decided, below[0])  # at once: the usual case
+        decided = time.monotonic()
+        if self._next.fits_without_asking(self.ladder[targets[0]]):
+            self._cut(reason, kind, decided, targets[0])  # at once: the usual case
             moved = asyncio.get_running_loop().create_future()
             moved.set_result(True)
             return moved
         self._moving = True
-        return asyncio.ensure_future(self._move(reason, kind, decided, below))
+        return asyncio.ensure_future(self._move(reason, kind, decided, targets))
+
+    def hand_back(self, min_left: int) -> asyncio.Future[bool] | None:
+        """Move the answer back to the primary (whose state the caller has checked),
+        unless fewer than `min_left` tokens are still to come."""
+        home, rungs = self.ladder.index(self.primary), self._rungs
+        if rungs.at == home or home in rungs.failed:
+            return None
+        limit = token_limit(self.body)
+        if limit is not None and limit - self.transcript.produced < min_left:
+            return None
+        return self.handoff(f"{self.primary.url} is clear again", "handback", [home])
 
     async def _move(self, reason: str, kind: str, decided: float, below: list[int]) -> bool:
         """Ask the servers below whether the rest fits, while the current leg goes on."""

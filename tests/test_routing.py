@@ -118,3 +118,79 @@ def test_drain_moves_live_answers_and_keeps_new_ones_away(
     assert state_of(proxy, primary.url) == "ok"
     back = read_stream(proxy.url, chat_body(20))
     assert back.notes == [] and back.text == direct_text(primary.url, 20)
+
+
+def watched_pair(start_server, start_proxy, tmp_path: Path, *options: str):
+    """A primary on card0 and a fallback on card1 (8,192-token slots: room for the long
+    answers below on either), behind a proxy whose watcher reads a sysfs tree."""
+    primary = start_server("primary", ctx_size=16384, slots=2)
+    fallback = start_server("fallback", ctx_size=16384, slots=2)
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    proxy = start_proxy(primary.url, [fallback.url], options=[*watch_sysfs(sysfs, on), *options])
+    proxy.servers_known()
+    return primary, fallback, proxy, card0
+
+
+def live_on(proxy, url: str, timeout: float = 5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
+        if live and live[0]["server"] == url:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_an_answer_goes_back_to_the_primary_once_its_card_is_clear(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    primary, fallback, proxy, card0 = watched_pair(
+        start_server, start_proxy, tmp_path,
+        "spillover_hand_back=true", "spillover_dwell_s=0", "spillover_hand_back_min_tokens=50",
+    )  # fmt: skip
+    moved_back: list[bool] = []
+
+    def steps(n: int) -> None:
+        if n != 20:
+            return
+        card0.set_used(15900)  # the answer moves to the fallback...
+        assert live_on(proxy, fallback.url)
+        with held(fallback):  # ...and, held there, comes back once card0 is clear
+            card0.set_used(10000)
+            moved_back.append(live_on(proxy, primary.url))
+
+    stream = read_stream(proxy.url, chat_body(4000), on_chunk=steps)
+    assert moved_back == [True]
+    assert_one_clean_stream(stream)
+    away, back = stream.notes
+    assert f"{primary.url} -> {fallback.url}" in away and "memory pressure on drm:card0" in away
+    assert f"{fallback.url} -> {primary.url}" in back and "is clear again" in back
+    assert sum(stream.segment_tokens) == 4000
+    metrics = CONTROL.get(f"{proxy.url}/spillover/metrics").text
+    assert 'spillover_handoffs_total{kind="handback"} 1.0' in metrics
+
+
+def test_a_counter_flapping_around_the_line_moves_an_answer_once(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    """Over the floor (484 MiB free), then just under it (784 MiB free, not clearly
+    below the lines): the card fired once and is never clear, so the answer moves once
+    and does not come back, and new requests stay off the card."""
+    primary, fallback, proxy, card0 = watched_pair(
+        start_server, start_proxy, tmp_path, "spillover_hand_back=true", "spillover_dwell_s=0"
+    )
+    flaps: list[int] = []
+
+    def flap(n: int) -> None:
+        if n >= 20 and n % 40 == 0 and len(flaps) < 12:
+            flaps.append(n)
+            card0.set_used(15900 if len(flaps) % 2 else 15600)
+            time.sleep(0.05)  # a few samples at each level
+
+    stream = read_stream(proxy.url, chat_body(3000), on_chunk=flap)
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and f"{primary.url} -> {fallback.url}" in stream.notes[0]
+    assert state_of(proxy, primary.url) == "pressured"
