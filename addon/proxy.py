@@ -72,6 +72,7 @@ class Spillover:
         self.servers = ServerDirectory(on_exchange=self._show_question)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pace_watch: asyncio.Future[None] | None = None
+        self._health_watch: asyncio.Future[None] | None = None
         self.status_parts: dict[str, Callable[[], Any]] = {}  # other addons' status
         self.metrics = Metrics(self.status)
         self.router = Router()
@@ -135,6 +136,9 @@ class Spillover:
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
+        self._health_watch = asyncio.ensure_future(
+            self.router.watch_health(self._server_urls, self.servers.client)
+        )
         self.servers.learn(self._known_primaries())
         self.servers.learn(self.fallbacks, fallbacks=True)
         log.info(
@@ -143,9 +147,9 @@ class Spillover:
         )
 
     async def done(self) -> None:
-        self.router.close()
-        if self._pace_watch is not None:
-            self._pace_watch.cancel()
+        for watch in (self._pace_watch, self._health_watch):
+            if watch is not None:
+                watch.cancel()
         for live in self.live.values():
             live.splice.cancel()
         await self.endpoint.stop()
@@ -163,6 +167,9 @@ class Spillover:
                         live.splice.hand_back(ctx.options.spillover_hand_back_min_tokens)
                 except Exception:
                     log.exception("pace check of %s failed", flow_id)
+
+    def _server_urls(self) -> list[str]:
+        return [u.url for u in (*self._known_primaries(), *self.fallbacks)]
 
     def _known_primaries(self) -> list[Upstream]:
         if ctx.options.spillover_primary:
@@ -199,7 +206,7 @@ class Spillover:
             ladder=ladder,
             primary=primary,
             usable=self.router.usable,
-            on_down=lambda server, why: self.router.mark_down(server.url, why, self.servers.client),
+            on_down=lambda server, why: self.router.mark_down(server.url, why),
             route_note=route_note,
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
@@ -360,7 +367,7 @@ class Spillover:
     def status(self) -> dict[str, Any]:
         for live in self.live.values():
             live.splice.transcript.settle()
-        urls = [u.url for u in (*self._known_primaries(), *self.fallbacks)]
+        urls = self._server_urls()
         return {
             "fallbacks": [u.url for u in self.fallbacks],
             "routing": {

@@ -3,8 +3,8 @@
 - ok;
 - pressured: a card it uses is over a line, or fired and has not yet been clear for the
   dwell time (the memory watcher says so);
-- down: it refused a connection, died mid-answer or stalled; probed in the background
-  (`GET /health`) and back as soon as it answers;
+- down: it refused a connection, died mid-answer or stalled, or its `GET /health` (asked
+  every second) failed; back as soon as /health answers;
 - draining: a person asked (`spillover.drain`); it gets no new request.
 
 A new request starts on the first server of its ladder that is ok, else on the first
@@ -25,7 +25,8 @@ import httpx
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
-PROBE_EVERY_S = 1.0
+HEALTH_EVERY_S = 1.0
+HEALTH_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -41,7 +42,6 @@ class Router:
         self.down: dict[str, Down] = {}
         self.draining: set[str] = set()
         self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
-        self._probes: dict[str, asyncio.Task[None]] = {}
 
     def state(self, url: str) -> tuple[str, str | None]:
         """(ok | pressured | down | draining, why)."""
@@ -83,30 +83,29 @@ class Router:
         """Whether a handoff may go to this server now."""
         return url not in self.draining and url not in self.down
 
-    def mark_down(self, url: str, why: str, client: httpx.AsyncClient) -> None:
-        if url in self.down:
-            return
-        log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
-        self.down[url] = Down(why, time.monotonic())
-        self._probes[url] = asyncio.ensure_future(self._probe(url, client))
+    def mark_down(self, url: str, why: str) -> None:
+        if url not in self.down:
+            log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
+            self.down[url] = Down(why, time.monotonic())
 
-    async def _probe(self, url: str, client: httpx.AsyncClient) -> None:
+    async def watch_health(self, urls: Callable[[], list[str]], client: httpx.AsyncClient) -> None:
+        """Ask every server's /health each second: a server that does not answer, or
+        answers 5xx (llama-server does while it loads), is down until it answers 200."""
+        while True:
+            await asyncio.gather(*(self._check(url, client) for url in urls()))
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    async def _check(self, url: str, client: httpx.AsyncClient) -> None:
         try:
-            while True:
-                await asyncio.sleep(PROBE_EVERY_S)
-                try:
-                    if (await client.get(f"{url}/health", timeout=2)).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    continue
+            status = (await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)).status_code
+        except httpx.HTTPError as exc:
+            self.mark_down(url, f"/health: {type(exc).__name__}")
+            return
+        if status >= 500:
+            self.mark_down(url, f"/health: HTTP {status}")
+        elif url in self.down:
             log.info("%s answers again", url)
-        finally:
-            self.down.pop(url, None)
-            self._probes.pop(url, None)
-
-    def close(self) -> None:
-        for probe in list(self._probes.values()):
-            probe.cancel()
+            del self.down[url]
 
     def status(self, urls: list[str]) -> dict[str, dict[str, str | None]]:
         return {url: dict(zip(("state", "why"), self.state(url), strict=True)) for url in urls}

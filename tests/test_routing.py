@@ -194,3 +194,18 @@ def test_a_counter_flapping_around_the_line_moves_an_answer_once(
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and f"{primary.url} -> {fallback.url}" in stream.notes[0]
     assert state_of(proxy, primary.url) == "pressured"
+
+
+def test_a_hung_primary_is_found_by_its_health_before_any_request_waits_on_it(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    with held(primary):
+        wait_for(proxy, primary.url, "down")
+        stream = read_stream(proxy.url, chat_body(20))
+        assert_one_clean_stream(stream)
+        (note,) = stream.notes  # one note: it started there, the primary was never asked
+        assert f"started on {fallback.url}: {primary.url} is down (/health: " in note
+    wait_for(proxy, primary.url, "ok")
