@@ -60,9 +60,18 @@ class Metrics:
             "New requests started away from the primary, by the primary's state.",
             labels=["state"],
         )
-        for state, count in ((status.get("routing") or {}).get("reroutes") or {}).items():
+        routing = status.get("routing") or {}
+        for state, count in (routing.get("reroutes") or {}).items():
             reroutes.add_metric([state], count)
         yield reroutes
+        spent = CounterMetricFamily(
+            "spillover_server_state_seconds",
+            "Time each server has spent in each routing state.",
+            labels=["server", "state"],
+        )
+        for entry in routing.get("seconds_in") or ():
+            spent.add_metric([entry["server"], entry["state"]], entry["seconds"])
+        yield spent
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -373,6 +373,10 @@ class Spillover:
             "routing": {
                 "states": self.router.status(urls),
                 "reroutes": dict(self.router.reroutes),
+                "seconds_in": [
+                    {"server": url, "state": state, "seconds": round(seconds, 1)}
+                    for (url, state), seconds in self.router.seconds_in.items()
+                ],
                 "live_per_server": {
                     url: sum(live.splice.current.url == url for live in self.live.values())
                     for url in urls

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -42,6 +43,7 @@ class Router:
         self.down: dict[str, Down] = {}
         self.draining: set[str] = set()
         self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
+        self.seconds_in: dict[tuple[str, str], float] = {}  # (server, state): time spent
 
     def state(self, url: str) -> tuple[str, str | None]:
         """(ok | pressured | down | draining, why)."""
@@ -91,8 +93,14 @@ class Router:
     async def watch_health(self, urls: Callable[[], list[str]], client: httpx.AsyncClient) -> None:
         """Ask every server's /health each second: a server that does not answer, or
         answers 5xx (llama-server does while it loads), is down until it answers 200."""
+        last = time.monotonic()
         while True:
             await asyncio.gather(*(self._check(url, client) for url in urls()))
+            now = time.monotonic()
+            for url in urls():
+                key = (url, self.state(url)[0])
+                self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
+            last = now
             await asyncio.sleep(HEALTH_EVERY_S)
 
     async def _check(self, url: str, client: httpx.AsyncClient) -> None:
@@ -107,5 +115,12 @@ class Router:
             log.info("%s answers again", url)
             del self.down[url]
 
-    def status(self, urls: list[str]) -> dict[str, dict[str, str | None]]:
-        return {url: dict(zip(("state", "why"), self.state(url), strict=True)) for url in urls}
+    def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        states: dict[str, dict[str, Any]] = {}
+        for url in urls:
+            state, why = self.state(url)
+            states[url] = {"state": state, "why": why}
+            if (down := self.down.get(url)) is not None:
+                states[url]["for_s"] = round(now - down.since, 1)
+        return states

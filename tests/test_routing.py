@@ -67,6 +67,9 @@ def test_pressure_sends_new_requests_elsewhere_until_the_card_has_been_clear(
     assert routing["reroutes"] == {"pressured": 2}
     metrics = CONTROL.get(f"{proxy.url}/spillover/metrics").text
     assert 'spillover_reroutes_total{state="pressured"} 2.0' in metrics
+    assert f'spillover_server_state_seconds_total{{server="{primary.url}",state="pressured"}}' in (
+        metrics
+    )
 
 
 def test_a_dead_primary_is_skipped_until_it_answers_again(
@@ -79,7 +82,8 @@ def test_a_dead_primary_is_skipped_until_it_answers_again(
     first = read_stream(proxy.url, chat_body(20))  # refused: starts on the fallback
     assert_one_clean_stream(first)
     assert "cannot connect" in first.notes[0]
-    assert state_of(proxy, primary.url) == "down"
+    down = CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]["states"]
+    assert down[primary.url]["state"] == "down" and down[primary.url]["for_s"] >= 0
     second = read_stream(proxy.url, chat_body(20))
     assert_one_clean_stream(second)
     (note,) = second.notes  # not tried at all: it starts where it can
