@@ -104,6 +104,11 @@ class Spillover:
         )  # fmt: skip
         add_pace_options(loader)
         loader.add_option(
+            "spillover_health_s", int, 1,
+            "Ask each server's /health this often (seconds); one that fails is down and gets "
+            "no new request until it answers again. 0: never ask.",
+        )  # fmt: skip
+        loader.add_option(
             "spillover_hand_back", bool, False,
             "Move an answer back to the server it started on once that server is ok again "
             "(its cards clear for spillover_dwell_s).",
@@ -136,9 +141,10 @@ class Spillover:
         ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
         await self.endpoint.start()
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
-        self._health_watch = asyncio.ensure_future(
-            self.router.watch_health(self._server_urls, self.servers.client)
-        )
+        if every := ctx.options.spillover_health_s:
+            self._health_watch = asyncio.ensure_future(
+                self.router.watch_health(self._server_urls, self.servers.client, every)
+            )
         self.servers.learn(self._known_primaries())
         self.servers.learn(self.fallbacks, fallbacks=True)
         log.info(

@@ -26,7 +26,6 @@ import httpx
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
-HEALTH_EVERY_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
 
 
@@ -90,8 +89,10 @@ class Router:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
             self.down[url] = Down(why, time.monotonic())
 
-    async def watch_health(self, urls: Callable[[], list[str]], client: httpx.AsyncClient) -> None:
-        """Ask every server's /health each second: a server that does not answer, or
+    async def watch_health(
+        self, urls: Callable[[], list[str]], client: httpx.AsyncClient, every_s: float
+    ) -> None:
+        """Ask every server's /health every `every_s`: a server that does not answer, or
         answers 5xx (llama-server does while it loads), is down until it answers 200."""
         last = time.monotonic()
         while True:
@@ -101,7 +102,7 @@ class Router:
                 key = (url, self.state(url)[0])
                 self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
             last = now
-            await asyncio.sleep(HEALTH_EVERY_S)
+            await asyncio.sleep(every_s)
 
     async def _check(self, url: str, client: httpx.AsyncClient) -> None:
         try:

@@ -47,7 +47,9 @@ class Recorder:
     ) -> Iterator[Mitmdump]:
         path = self.out / f"{name}.mitm"
         path.unlink(missing_ok=True)
-        options = [f"save_stream_file={path}", *options]
+        # No /health questions: each session shows the kind of handoff it is named for (a
+        # dead primary is found by its refused connection, not skipped by routing).
+        options = [f"save_stream_file={path}", "spillover_health_s=0", *options]
         mitm = Mitmdump(primary, fallbacks, options=options, log_dir=self.work)
         with running(mitm):
             mitm.servers_known()  # start-up questions first, before the answer

@@ -75,6 +75,7 @@ async def _replay_answer(
     servers, urls = await _stand_ins(ladder, exchanges)
     options = [
         "spillover_watch=false",
+        "spillover_health_s=0",  # the stand-ins serve what was recorded, and /health was not
         f"spillover_exact_replay={str(meta.get('exact_replay', True)).lower()}",
     ]
     proxy = Mitmdump(

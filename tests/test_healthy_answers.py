@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 
-from scripts.processes import free_port
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_splice import held
 
@@ -36,8 +35,11 @@ def test_the_primary_takes_the_answer_back_when_the_fallback_fails(
     start_server, start_proxy
 ) -> None:
     primary = start_server("primary")
-    nobody = f"http://127.0.0.1:{free_port()}"  # a fallback that is down
-    proxy = start_proxy(primary.url, [nobody])
+    # A fallback that is up (its /health answers) but refuses the answer: it wants a key
+    # the addon was not given.
+    locked = start_server("fallback", extra_args=["--api-key", "not-given"])
+    proxy = start_proxy(primary.url, [locked.url])
+    proxy.servers_known()
     moved: list[int] = []
 
     # Whatever a requester says, the handoff is a requested one, and its reason is short.
@@ -53,10 +55,10 @@ def test_the_primary_takes_the_answer_back_when_the_fallback_fails(
     assert moved == [1]
     assert_one_clean_stream(stream)
     there, back = stream.notes
-    assert f"{primary.url} -> {nobody}" in there
+    assert f"{primary.url} -> {locked.url}" in there
     assert "(requested by POST /spillover/handoff: memory pressure on nvml:0 xxx" in there
     assert "x" * 200 not in there
-    assert f"{nobody} -> {primary.url}" in back and "cannot connect" in back
+    assert f"{locked.url} -> {primary.url}" in back and "HTTP 401" in back
     assert stream.segments[1] == ""
     assert sum(stream.segment_tokens) == 300
     metrics = CONTROL.get(f"{proxy.url}/spillover/metrics").text
