@@ -110,8 +110,8 @@ class Spillover:
         )  # fmt: skip
         loader.add_option(
             "spillover_hand_back", bool, False,
-            "Move an answer back to the server it started on once that server is ok again "
-            "(its cards clear for spillover_dwell_s).",
+            "Move an answer that left the primary for memory pressure or a slowdown (or "
+            "started elsewhere) back to it once it is ok again (clear for spillover_dwell_s).",
         )  # fmt: skip
         loader.add_option(
             "spillover_hand_back_min_tokens", int, 200,

@@ -41,6 +41,7 @@ from addon.upstream import Upstream, UpstreamError, post, sent_headers
 from addon.wire import ClientStream, Header, error_event, error_text, forwardable, passed_back
 
 SEP = sse.TERMINATOR
+BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 log = logging.getLogger(__name__)
 
 
@@ -109,6 +110,9 @@ class Splice:
         self._on_exchange = on_exchange
         self.primary = primary or self.ladder[0]
         self._rungs = Ladder(self.ladder, usable)
+        # Why the answer is away from the primary: only pressure (or a start elsewhere)
+        # is undone by a hand back; a person's request or a failure is not.
+        self._away_for = "route" if self.ladder[0] != self.primary else None
         self._on_down = on_down
         self._route_note = route_note
         self._leg_task: asyncio.Future[str | None] | None = None
@@ -154,7 +158,7 @@ class Splice:
         """Move the answer back to the primary (whose state the caller has checked),
         unless fewer than `min_left` tokens are still to come."""
         home, rungs = self.ladder.index(self.primary), self._rungs
-        if rungs.at == home or home in rungs.failed:
+        if rungs.at == home or home in rungs.failed or self._away_for not in BACK_FROM:
             return None
         limit = token_limit(self.body)
         if limit is not None and limit - self.transcript.produced < min_left:
@@ -238,6 +242,8 @@ class Splice:
 
     def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
         source = self.current
+        if source == self.primary:
+            self._away_for = kind
         self._rungs.at = target
         handoff = Handoff(
             reason=reason,

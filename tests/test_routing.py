@@ -213,3 +213,23 @@ def test_a_hung_primary_is_found_by_its_health_before_any_request_waits_on_it(
         (note,) = stream.notes  # one note: it started there, the primary was never asked
         assert f"started on {fallback.url}: {primary.url} is down (/health: " in note
     wait_for(proxy, primary.url, "ok")
+
+
+def test_a_requested_handoff_is_not_handed_back(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    """A person moved it: the primary being ok does not undo that."""
+    proxy = start_proxy(primary.url, [fallback.url], options=["spillover_hand_back=true"])
+    proxy.servers_known()
+
+    def ask(n: int) -> None:
+        if n == 20:
+            with held(primary):
+                CONTROL.post(f"{proxy.url}/spillover/handoff")
+            assert live_on(proxy, fallback.url)
+            with held(fallback):  # still live there for two pace ticks, the primary ok
+                time.sleep(0.6)
+
+    stream = read_stream(proxy.url, chat_body(600), on_chunk=ask)
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and f"{primary.url} -> {fallback.url}" in stream.notes[0]
