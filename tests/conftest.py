@@ -37,11 +37,9 @@ def fallback(models: dict[str, Path], server_logs: Path) -> Iterator[LlamaServer
     server.stop()
 
 
-@pytest.fixture
-def start_server(
+def _starting_servers(
     models: dict[str, Path], server_logs: Path
 ) -> Iterator[Callable[..., LlamaServer]]:
-    """Start a private llama-server for one test (stopped at teardown, pass or fail)."""
     started: list[LlamaServer] = []
 
     def start(model: str = "primary", **kwargs) -> LlamaServer:
@@ -52,6 +50,22 @@ def start_server(
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def start_server(
+    models: dict[str, Path], server_logs: Path
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Start a private llama-server for one test (stopped at teardown, pass or fail)."""
+    yield from _starting_servers(models, server_logs)
+
+
+@pytest.fixture(scope="module")
+def start_server_module(
+    models: dict[str, Path], server_logs: Path
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Like start_server, for servers a whole test module shares."""
+    yield from _starting_servers(models, server_logs)
 
 
 @pytest.fixture(scope="session")
@@ -62,9 +76,7 @@ def proxy(primary: LlamaServer, fallback: LlamaServer, server_logs: Path) -> Ite
     mitm.stop()
 
 
-@pytest.fixture
-def start_proxy(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
-    """Start a private mitmdump for one test (stopped at teardown)."""
+def _starting_proxies(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
     started: list[Mitmdump] = []
 
     def start(primary: str, fallbacks: list[str], **kwargs) -> Mitmdump:
@@ -77,32 +89,12 @@ def start_proxy(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
         mitm.stop()
 
 
-@pytest.fixture(scope="module")
-def start_server_module(
-    models: dict[str, Path], server_logs: Path
-) -> Iterator[Callable[..., LlamaServer]]:
-    """Like start_server, for servers a whole test module shares."""
-    started: list[LlamaServer] = []
-
-    def start(model: str = "primary", **kwargs) -> LlamaServer:
-        server = LlamaServer(models[model], log_dir=server_logs, **kwargs)
-        started.append(server)
-        return server.start()
-
-    yield start
-    for server in started:
-        server.stop()
+@pytest.fixture
+def start_proxy(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
+    """Start a private mitmdump for one test (stopped at teardown)."""
+    yield from _starting_proxies(server_logs)
 
 
 @pytest.fixture(scope="module")
 def start_proxy_module(server_logs: Path) -> Iterator[Callable[..., Mitmdump]]:
-    started: list[Mitmdump] = []
-
-    def start(primary: str, fallbacks: list[str], **kwargs) -> Mitmdump:
-        mitm = Mitmdump(primary, fallbacks, log_dir=server_logs, **kwargs)
-        started.append(mitm)
-        return mitm.start()
-
-    yield start
-    for mitm in started:
-        mitm.stop()
+    yield from _starting_proxies(server_logs)

@@ -36,16 +36,26 @@ def whole(proxy, tokens: int = 24) -> httpx.Response:
     )
 
 
-def test_pressure_sends_new_requests_elsewhere_until_the_card_has_been_clear(
-    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
-) -> None:
+def watched_pair(start_server, start_proxy, tmp_path: Path, *options: str):
+    """A primary on card0 and a fallback on card1 (8,192-token slots: room for the long
+    answers below on either), behind a proxy whose watcher reads a sysfs tree."""
+    primary = start_server("primary", ctx_size=16384, slots=2)
+    fallback = start_server("fallback", ctx_size=16384, slots=2)
     sysfs = tmp_path / "sys"
     card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
     FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
     on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
-    options = [*watch_sysfs(sysfs, on), "spillover_dwell_s=1"]
-    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    proxy = start_proxy(primary.url, [fallback.url], options=[*watch_sysfs(sysfs, on), *options])
     proxy.servers_known()
+    return primary, fallback, proxy, card0
+
+
+def test_pressure_sends_new_requests_elsewhere_until_the_card_has_been_clear(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    primary, fallback, proxy, card0 = watched_pair(
+        start_server, start_proxy, tmp_path, "spillover_dwell_s=1"
+    )
     assert state_of(proxy, primary.url) == "ok"
     card0.set_used(15900)  # 484 MiB free: under the floor
     wait_for(proxy, primary.url, "pressured")
@@ -75,13 +85,12 @@ def test_pressure_sends_new_requests_elsewhere_until_the_card_has_been_clear(
 def test_a_dead_primary_is_skipped_until_it_answers_again(
     start_server, start_proxy, fallback: LlamaServer
 ) -> None:
-    primary = start_server("primary")
-    proxy = start_proxy(primary.url, [fallback.url])
-    proxy.servers_known()
+    primary, proxy = private_primary(start_server, start_proxy, fallback)
     primary.kill()
     first = read_stream(proxy.url, chat_body(20))  # refused: starts on the fallback
     assert_one_clean_stream(first)
-    assert "cannot connect" in first.notes[0]
+    # Found dead by the refused connection, or by /health if it asked in between.
+    assert "cannot connect" in first.notes[0] or "is down" in first.notes[0]
     down = CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]["states"]
     assert down[primary.url]["state"] == "down" and down[primary.url]["for_s"] >= 0
     second = read_stream(proxy.url, chat_body(20))
@@ -97,9 +106,7 @@ def test_a_dead_primary_is_skipped_until_it_answers_again(
 def test_drain_moves_live_answers_and_keeps_new_ones_away(
     start_server, start_proxy, fallback: LlamaServer
 ) -> None:
-    primary = start_server("primary")
-    proxy = start_proxy(primary.url, [fallback.url])
-    proxy.servers_known()
+    primary, proxy = private_primary(start_server, start_proxy, fallback)
     drained: list[dict] = []
 
     def drain(n: int) -> None:
@@ -124,18 +131,12 @@ def test_drain_moves_live_answers_and_keeps_new_ones_away(
     assert back.notes == [] and back.text == direct_text(primary.url, 20)
 
 
-def watched_pair(start_server, start_proxy, tmp_path: Path, *options: str):
-    """A primary on card0 and a fallback on card1 (8,192-token slots: room for the long
-    answers below on either), behind a proxy whose watcher reads a sysfs tree."""
-    primary = start_server("primary", ctx_size=16384, slots=2)
-    fallback = start_server("fallback", ctx_size=16384, slots=2)
-    sysfs = tmp_path / "sys"
-    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
-    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
-    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
-    proxy = start_proxy(primary.url, [fallback.url], options=[*watch_sysfs(sysfs, on), *options])
+def private_primary(start_server, start_proxy, fallback: LlamaServer, *options: str):
+    """A primary of the test's own (to kill or stop) and the shared fallback, behind a proxy."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [fallback.url], options=list(options))
     proxy.servers_known()
-    return primary, fallback, proxy, card0
+    return primary, proxy
 
 
 def live_on(proxy, url: str, timeout: float = 5) -> bool:
@@ -203,9 +204,7 @@ def test_a_counter_flapping_around_the_line_moves_an_answer_once(
 def test_a_hung_primary_is_found_by_its_health_before_any_request_waits_on_it(
     start_server, start_proxy, fallback: LlamaServer
 ) -> None:
-    primary = start_server("primary")
-    proxy = start_proxy(primary.url, [fallback.url])
-    proxy.servers_known()
+    primary, proxy = private_primary(start_server, start_proxy, fallback)
     with held(primary):
         wait_for(proxy, primary.url, "down")
         stream = read_stream(proxy.url, chat_body(20))
