@@ -125,7 +125,9 @@ def assert_one_clean_stream(stream: RawStream) -> None:
     assert len({c["id"] for c in stream.chunks}) == 1, "one id for the whole answer"
     # llama-server stamps each chunk with the current second; continuation legs carry the
     # first chunk's stamp.
-    spliced = stream.chunks[stream.note_at[0] :] if stream.note_at else []
+    # (A note that the answer started elsewhere is not a handoff: that leg is not rewritten.)
+    cuts = [at for note, at in zip(stream.notes, stream.note_at, strict=True) if "handoff" in note]
+    spliced = stream.chunks[cuts[0] :] if cuts else []
     assert all(c["created"] == stream.chunks[0]["created"] for c in spliced)
 
 
