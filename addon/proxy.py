@@ -143,7 +143,7 @@ class Spillover:
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
         if every := ctx.options.spillover_health_s:
             self._health_watch = asyncio.ensure_future(
-                self.router.watch_health(self._server_urls, self.servers.client, every)
+                self.router.watch_health(self.server_urls, every)
             )
         self.servers.learn(self._known_primaries())
         self.servers.learn(self.fallbacks, fallbacks=True)
@@ -174,7 +174,8 @@ class Spillover:
                 except Exception:
                     log.exception("pace check of %s failed", flow_id)
 
-    def _server_urls(self) -> list[str]:
+    def server_urls(self) -> list[str]:
+        """The primary (the reverse-proxy target unless set) and the fallbacks."""
         return [u.url for u in (*self._known_primaries(), *self.fallbacks)]
 
     def _known_primaries(self) -> list[Upstream]:
@@ -373,7 +374,7 @@ class Spillover:
     def status(self) -> dict[str, Any]:
         for live in self.live.values():
             live.splice.transcript.settle()
-        urls = self._server_urls()
+        urls = self.server_urls()
         return {
             "fallbacks": [u.url for u in self.fallbacks],
             "routing": {

@@ -89,24 +89,25 @@ class Router:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
             self.down[url] = Down(why, time.monotonic())
 
-    async def watch_health(
-        self, urls: Callable[[], list[str]], client: httpx.AsyncClient, every_s: float
-    ) -> None:
+    async def watch_health(self, urls: Callable[[], list[str]], every_s: float) -> None:
         """Ask every server's /health every `every_s`: a server that does not answer, or
-        answers 5xx (llama-server does while it loads), is down until it answers 200."""
+        answers 5xx (llama-server does while it loads), is down until it answers 200.
+        Its own client: these checks are not questions worth a flow each in recordings."""
         last = time.monotonic()
-        while True:
-            await asyncio.gather(*(self._check(url, client) for url in urls()))
-            now = time.monotonic()
-            for url in urls():
-                key = (url, self.state(url)[0])
-                self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
-            last = now
-            await asyncio.sleep(every_s)
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+            while True:
+                servers = urls()
+                await asyncio.gather(*(self._check(url, client) for url in servers))
+                now = time.monotonic()
+                for url in servers:
+                    key = (url, self.state(url)[0])
+                    self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
+                last = now
+                await asyncio.sleep(every_s)
 
     async def _check(self, url: str, client: httpx.AsyncClient) -> None:
         try:
-            status = (await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)).status_code
+            status = (await client.get(f"{url}/health")).status_code
         except httpx.HTTPError as exc:
             self.mark_down(url, f"/health: {type(exc).__name__}")
             return
