@@ -27,10 +27,6 @@ class Ladder:
     def current(self) -> Upstream:
         return self.servers[self.at]
 
-    @property
-    def primary(self) -> Upstream:
-        return self.servers[0]
-
     def below(self) -> list[int]:
         """Where an asked-for handoff may go: down the ladder, past servers that failed."""
         return [

@@ -299,7 +299,7 @@ class Spillover:
             self.router.draining.discard(url)
             return {"server": url, "state": self.router.state(url)[0]}
         self.router.draining.add(url)
-        ids = [i for i, live in self.live.items() if live.splice.current.url == url]
+        ids = self._live_on({url})
         moves = self._handoff(ids, f"{url} is draining", "requested")
         return {"server": url, "moving": len(moves), "live": len(ids)}
 
@@ -312,12 +312,15 @@ class Spillover:
         self._loop.call_soon_threadsafe(self._handoff_on, reason, wanted)
 
     def _handoff_on(self, reason: str, servers: set[str] | None) -> None:
-        ids = [
+        self._handoff(self._live_on(servers), reason, "pressure")
+
+    def _live_on(self, servers: set[str] | None) -> list[str]:
+        """The live answers whose current server is one of `servers` (None: all)."""
+        return [
             flow_id
             for flow_id, live in self.live.items()
             if servers is None or live.splice.current.url in servers
         ]
-        self._handoff(ids, reason, "pressure")
 
     def _handoff(
         self, flow_ids: Iterable[str], reason: str, kind: str

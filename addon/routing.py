@@ -60,25 +60,16 @@ class Router:
         """The ladder a new request uses, starting where it should, and why it does not
         start on the primary (None when it does). Servers passed over stay on the ladder
         after it, in their order: an answer can still end up there."""
-        start = self.first_stop(ladder, may_start)
+        states = [self.state(u.url) if may_start(u) else ("closed", None) for u in ladder]
+        ok = [i for i, (state, _) in enumerate(states) if state == "ok"]
+        pressured = [i for i, (state, _) in enumerate(states) if state == "pressured"]
+        start = next(iter(ok + pressured), 0)  # nothing up: the primary, as without the addon
         if not start:
             return ladder, None
-        primary = ladder[0].url
-        state, why = self.state(primary)
-        note = f"started on {ladder[start].url}: {primary} is {state} ({why})"
+        state, why = states[0]
+        self.reroutes[state] = self.reroutes.get(state, 0) + 1
+        note = f"started on {ladder[start].url}: {ladder[0].url} is {state} ({why})"
         return [ladder[start], *ladder[:start], *ladder[start + 1 :]], note
-
-    def first_stop(self, ladder: list[Upstream], may_start: Callable[[Upstream], bool]) -> int:
-        """The index on `ladder` where a new request starts."""
-        states = [self.state(u.url) if may_start(u) else ("closed", None) for u in ladder]
-        for wanted in ("ok", "pressured"):
-            for index, (state, _) in enumerate(states):
-                if state == wanted:
-                    if index:
-                        why = states[0][0]
-                        self.reroutes[why] = self.reroutes.get(why, 0) + 1
-                    return index
-        return 0  # nothing is up: the primary, as without the addon
 
     def usable(self, url: str) -> bool:
         """Whether a handoff may go to this server now."""

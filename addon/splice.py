@@ -110,9 +110,6 @@ class Splice:
         self._on_exchange = on_exchange
         self.primary = primary or self.ladder[0]
         self._rungs = Ladder(self.ladder, usable)
-        # Why the answer is away from the primary: only pressure (or a start elsewhere)
-        # is undone by a hand back; a person's request or a failure is not.
-        self._away_for = "route" if self.ladder[0] != self.primary else None
         self._on_down = on_down
         self._route_note = route_note
         self._leg_task: asyncio.Future[str | None] | None = None
@@ -158,7 +155,11 @@ class Splice:
         """Move the answer back to the primary (whose state the caller has checked),
         unless fewer than `min_left` tokens are still to come."""
         home, rungs = self.ladder.index(self.primary), self._rungs
-        if rungs.at == home or home in rungs.failed or self._away_for not in BACK_FROM:
+        if rungs.at == home or home in rungs.failed:
+            return None
+        # Only what pressure did (or a start elsewhere) is undone: not a person's request.
+        left = [h.kind for h in self.handoffs if h.source == self.primary.url]
+        if (left[-1] if left else "route") not in BACK_FROM:
             return None
         limit = token_limit(self.body)
         if limit is not None and limit - self.transcript.produced < min_left:
@@ -242,8 +243,6 @@ class Splice:
 
     def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
         source = self.current
-        if source == self.primary:
-            self._away_for = kind
         self._rungs.at = target
         handoff = Handoff(
             reason=reason,

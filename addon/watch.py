@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from mitmproxy import ctx, exceptions
-from mitmproxy.proxy import mode_specs
 
 from addon.proxy import Spillover
 from watchers.gates import CardMap, parse_card_map
@@ -125,15 +124,7 @@ class MemoryWatch:
             self.monitor = None
 
     def servers(self) -> list[str]:
-        """The primary (the reverse-proxy target unless set) and the fallbacks."""
-        found = [u.url for u in self.spillover.fallbacks]
-        if ctx.options.spillover_primary:
-            found.append(ctx.options.spillover_primary.rstrip("/"))
-        for spec in ctx.options.mode:
-            mode = mode_specs.ProxyMode.parse(spec)
-            if isinstance(mode, mode_specs.ReverseMode):
-                found.append(mode.data.rstrip("/"))
-        return found
+        return self.spillover.server_urls()
 
     def pressure_of(self, server: str) -> str | None:
         """Why a server's cards are not fit for new work now, or None."""
