@@ -6,6 +6,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Sensed:
+    """When the memory watcher saw the pressure behind a handoff (time.monotonic()): the
+    reading that first crossed a line, and the last reading under every line before it
+    (the memory was taken between the two)."""
+
+    crossed: float
+    last_below: float | None
+
+
 @dataclass
 class Handoff:
     reason: str
@@ -20,6 +30,15 @@ class Handoff:
     pause_ms: float | None = None
     replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
     caveat: str | None = None  # a promise of the request this handoff cannot keep
+    # Pressure handoffs: how long before the decision the reading that crossed the line
+    # was taken, and the last reading under it (the memory was taken within that time).
+    crossed_ms: float | None = None
+    detected_within_ms: float | None = None
+
+    def sensed(self, sensed: Sensed) -> None:
+        self.crossed_ms = round((self.decided - sensed.crossed) * 1000, 2)
+        if sensed.last_below is not None:
+            self.detected_within_ms = round((self.decided - sensed.last_below) * 1000, 2)
 
     def as_metadata(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "decided"}
@@ -28,9 +47,13 @@ class Handoff:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
         replay = f", replayed as {self.replay}" if self.replay else ""
         caveat = f"; {self.caveat}" if self.caveat else ""
+        if self.detected_within_ms is not None:
+            reason = f"{self.reason}, seen within {self.detected_within_ms:.0f} ms"
+        else:
+            reason = self.reason
         return (
             f"handoff {self.source} -> {self.target} after {self.at_token} tokens "
-            f"({self.reason}){replay}{pause}{caveat}"
+            f"({reason}){replay}{pause}{caveat}"
         )
 
 

@@ -28,6 +28,13 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,
         )
+        self.detection = Histogram(
+            "spillover_pressure_detection_seconds",
+            "Pressure handoffs: from the last memory reading under every line (the memory "
+            "was taken after it) to the handoff decision.",
+            buckets=(0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=self.registry,
+        )
         self._status = status
         self.registry.register(self)
 
@@ -35,6 +42,8 @@ class Metrics:
         """Called when a handoff is decided, and again once its pause is known."""
         if handoff.pause_ms is None:
             self.handoffs.labels(handoff.kind).inc()
+            if handoff.detected_within_ms is not None:
+                self.detection.observe(handoff.detected_within_ms / 1000)
         else:
             self.pause.observe(handoff.pause_ms / 1000)
 

@@ -17,12 +17,13 @@ from addon.control import CONTROL_PREFIX, Control, add_access_options
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
-from addon.handoff import Handoff
+from addon.handoff import Handoff, Sensed
 from addon.metrics import Metrics
 from addon.pace import add_pace_options, limits_from
 from addon.routing import Router
 from addon.servers import ServerDirectory, upper_bound
 from addon.splice import Splice
+from addon.status import assemble_status
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Spillover:
         self.endpoint = SpliceEndpoint()
         self.fallbacks: list[Upstream] = []
         self.live: dict[str, _Live] = {}
+        self._sensed: dict[str, Sensed] = {}  # flow id -> what the watcher saw, until moved
         self.servers = ServerDirectory(on_exchange=self._show_question)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pace_watch: asyncio.Future[None] | None = None
@@ -212,7 +214,7 @@ class Spillover:
             raw_body=request.content or b"",
             ladder=ladder,
             primary=primary,
-            usable=self.router.usable,
+            state_of=lambda url: self.router.state(url)[0],
             on_down=lambda server, why: self.router.mark_down(server.url, why),
             route_note=route_note,
             servers=self.servers,
@@ -268,8 +270,10 @@ class Spillover:
 
     def response(self, flow: http.HTTPFlow) -> None:
         self.live.pop(flow.id, None)
+        self._sensed.pop(flow.id, None)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._sensed.pop(flow.id, None)
         live = self.live.pop(flow.id, None)
         if live is not None:
             self.endpoint.forget(live.token)
@@ -303,16 +307,21 @@ class Spillover:
         moves = self._handoff(ids, f"{url} is draining", "requested")
         return {"server": url, "moving": len(moves), "live": len(ids)}
 
-    def request_handoff(self, reason: str, servers: Iterable[str] | None = None) -> None:
+    def request_handoff(
+        self, reason: str, servers: Iterable[str] | None = None, sensed: Sensed | None = None
+    ) -> None:
         """Thread-safe: hand off every live stream whose current server is in `servers`
         (every live stream when None), for memory pressure. For watchers in other threads."""
         if self._loop is None:
             return
         wanted = None if servers is None else {s.rstrip("/") for s in servers}
-        self._loop.call_soon_threadsafe(self._handoff_on, reason, wanted)
+        self._loop.call_soon_threadsafe(self._handoff_on, reason, wanted, sensed)
 
-    def _handoff_on(self, reason: str, servers: set[str] | None) -> None:
-        self._handoff(self._live_on(servers), reason, "pressure")
+    def _handoff_on(self, reason: str, servers: set[str] | None, sensed: Sensed | None) -> None:
+        flow_ids = self._live_on(servers)
+        if sensed is not None:
+            self._sensed.update(dict.fromkeys(flow_ids, sensed))
+        self._handoff(flow_ids, reason, "pressure")
 
     def _live_on(self, servers: set[str] | None) -> list[str]:
         """The live answers whose current server is one of `servers` (None: all)."""
@@ -342,6 +351,9 @@ class Spillover:
         return moves
 
     def _record(self, flow: http.HTTPFlow, handoff: Handoff) -> None:
+        sensed = self._sensed.pop(flow.id, None)
+        if sensed is not None and handoff.kind == "pressure" and handoff.pause_ms is None:
+            handoff.sensed(sensed)
         self.metrics.record(handoff)
         live = self.live.get(flow.id)
         if live is None:
@@ -375,35 +387,7 @@ class Spillover:
         return sum(m is True for m in moved)
 
     def status(self) -> dict[str, Any]:
-        for live in self.live.values():
-            live.splice.transcript.settle()
-        urls = self.server_urls()
-        return {
-            "fallbacks": [u.url for u in self.fallbacks],
-            "routing": {
-                "states": self.router.status(urls),
-                "reroutes": dict(self.router.reroutes),
-                "seconds_in": [
-                    {"server": url, "state": state, "seconds": round(seconds, 1)}
-                    for (url, state), seconds in self.router.seconds_in.items()
-                ],
-                "live_per_server": {
-                    url: sum(live.splice.current.url == url for live in self.live.values())
-                    for url in urls
-                },
-            },
-            "servers": {u.url: vars(i) for u, i in self.servers.info.items()},
-            "live": [
-                {
-                    "flow": flow_id,
-                    "server": live.splice.current.url,
-                    "tokens": live.splice.transcript.produced,
-                    "handoffs": len(live.splice.handoffs),
-                }
-                for flow_id, live in self.live.items()
-            ],
-            **{name: part() for name, part in self.status_parts.items()},
-        }
+        return assemble_status(self)
 
 
 def arrives_in_pieces(response: http.Response) -> bool:

@@ -71,10 +71,6 @@ class Router:
         note = f"started on {ladder[start].url}: {ladder[0].url} is {state} ({why})"
         return [ladder[start], *ladder[:start], *ladder[start + 1 :]], note
 
-    def usable(self, url: str) -> bool:
-        """Whether a handoff may go to this server now."""
-        return url not in self.draining and url not in self.down
-
     def mark_down(self, url: str, why: str) -> None:
         if url not in self.down:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)

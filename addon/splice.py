@@ -68,12 +68,12 @@ class Splice:
         credentials: Credentials | None = None,
         pace: PaceLimits | None = None,
         primary: Upstream | None = None,
-        usable: Callable[[str], bool] = lambda _: True,
+        state_of: Callable[[str], str] = lambda _: "ok",
         on_down: Callable[[Upstream, str], None] = lambda *_: None,
         route_note: str | None = None,
     ) -> None:
         """`primary`: the server the client addressed (the ladder may start elsewhere);
-        `usable`, `on_down`: the router's view of servers (see routing.py); `route_note`:
+        `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
         why the answer starts where it does, told to the client."""
         self.path = path
         # post() sets these itself for each upstream.
@@ -109,7 +109,7 @@ class Splice:
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
         self.primary = primary or self.ladder[0]
-        self._rungs = Ladder(self.ladder, usable)
+        self._rungs = Ladder(self.ladder, state_of)
         self._on_down = on_down
         self._route_note = route_note
         self._leg_task: asyncio.Future[str | None] | None = None

@@ -12,19 +12,20 @@ from pathlib import Path
 
 from mitmproxy import ctx, exceptions
 
+from addon.handoff import Sensed
 from addon.proxy import Spillover
 from watchers.gates import CardMap, parse_card_map
-from watchers.hotplug import DrmEvents, UdevObserver
+from watchers.hotplug import HotplugEvents, UdevObserver
 from watchers.monitor import MemoryMonitor
-from watchers.pressure import Lines
-from watchers.reading import NotApplicable
-from watchers.sources import ALL, gpu_pids, open_sources
+from watchers.pressure import Crossing, Lines
+from watchers.reading import NotApplicable, Source
+from watchers.sources import ALL, card_map, open_sources
 
 log = logging.getLogger(__name__)
 WATCH_OPTIONS = {
     "spillover_watch", "spillover_sources", "spillover_sysfs_root", "spillover_proc_root",
-    "spillover_interval_ms", "spillover_used_fraction", "spillover_free_floor_mib",
-    "spillover_step_mib", "spillover_step_free_mib", "spillover_cards",
+    "spillover_interval_ms", "spillover_free_floor_mib", "spillover_step_mib",
+    "spillover_rearm_mib", "spillover_cards",
 }  # fmt: skip
 
 
@@ -34,7 +35,8 @@ class MemoryWatch:
         self.monitor: MemoryMonitor | None = None
         self.card_map: CardMap | None = None
         self.missing: dict[str, str] = {}
-        self.drm_events: DrmEvents | None = None
+        self.hotplug: HotplugEvents | None = None
+        self.sources: list[Source] = []
         self._udev: UdevObserver | None = None
         self._running = False
 
@@ -44,11 +46,23 @@ class MemoryWatch:
         add("spillover_sources", str, ",".join(ALL), "Memory sources to use, comma-separated.")
         add("spillover_sysfs_root", str, "/sys", "Where sysfs is (a test tree elsewhere).")
         add("spillover_proc_root", str, "/proc", "Where procfs is (meminfo, fdinfo, sockets).")
-        add("spillover_interval_ms", int, 20, "Sampling interval of the memory monitor.")
-        add("spillover_used_fraction", float, 0.95, "Hand off when a card is this full.")
-        add("spillover_free_floor_mib", int, 512, "Hand off when a card has this little free.")
-        add("spillover_step_mib", int, 1024, "Hand off on a jump in use this big within 250 ms...")
-        add("spillover_step_free_mib", int, 4096, "...that leaves at most this much free.")
+        add(
+            "spillover_interval_ms", int, 20,
+            "Sampling interval while a card is near its lines (ten times this when all are far).",
+        )  # fmt: skip
+        add(
+            "spillover_free_floor_mib", int, 0,
+            "Hand off when a card has this little free (0: 3 percent of it, 512 MiB to 2 GiB).",
+        )  # fmt: skip
+        add(
+            "spillover_step_mib", int, 1024,
+            "Hand off on a jump in use this big within 250 ms that leaves at most the floor "
+            "plus twice the jump free.",
+        )  # fmt: skip
+        add(
+            "spillover_rearm_mib", int, 1024,
+            "A card that fired is clear again once it has this much more than its floor free.",
+        )  # fmt: skip
         add(
             "spillover_dwell_s", int, 30,
             "New requests return to a server only once its cards have been clear this long.",
@@ -85,29 +99,26 @@ class MemoryWatch:
         sources, self.missing = open_sources(
             names, Path(options.spillover_sysfs_root), Path(options.spillover_proc_root)
         )
+        self.sources = sources
         for name, why in self.missing.items():
             log.info("memory source %s not used: %s", name, why)
-        self.card_map = CardMap(
+        self.card_map = card_map(
             parse_card_map(options.spillover_cards),
-            lambda: gpu_pids(sources),
+            sources,
             Path(options.spillover_proc_root),
+            Path(options.spillover_sysfs_root),
         )
         lines = Lines(
-            used_fraction=options.spillover_used_fraction,
             free_floor_mib=options.spillover_free_floor_mib,
             step_mib=options.spillover_step_mib,
-            step_free_mib=options.spillover_step_free_mib,
+            rearm_mib=options.spillover_rearm_mib,
         )
         self.monitor = MemoryMonitor(
             sources, self._on_pressure, lines, interval=options.spillover_interval_ms / 1000
         )
-        self.drm_events = DrmEvents(
-            rescan=lambda: [s.rescan() for s in sources if hasattr(s, "rescan")],
-            forget=self.monitor.forget,
-            sample_now=self.monitor.wake,
-        )
+        self.hotplug = HotplugEvents(rescan=self.monitor.rescan, sample_now=self.monitor.wake)
         try:
-            self._udev = UdevObserver(self.drm_events)
+            self._udev = UdevObserver(self.hotplug)
             self._udev.start()
         except NotApplicable as exc:
             self.missing["udev"] = str(exc)
@@ -134,21 +145,35 @@ class MemoryWatch:
         cards = card_map.cards_of(server)
         return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
 
-    def _on_pressure(self, card: str, reason: str) -> None:
+    def _on_pressure(self, crossing: Crossing) -> None:
         """Runs on the monitor thread."""
         assert self.card_map is not None
+        card = crossing.card
         servers = self.card_map.servers_on(card, self.servers())
         if servers:
-            self.spillover.request_handoff(f"memory pressure on {card}: {reason}", servers)
+            self.spillover.request_handoff(
+                f"memory pressure on {card}: {crossing.line}",
+                servers,
+                Sensed(crossing.crossed, crossing.last_below),
+            )
         else:
-            log.info("pressure on %s, which none of the servers uses: %s", card, reason)
+            log.info("pressure on %s, which none of the servers uses: %s", card, crossing.line)
 
     def status(self) -> dict:
         monitor = self.monitor
+        state = monitor.status() if monitor else {"alive": False}
+        for source in self.sources:
+            for card, reserved in getattr(source, "reserved_mib", {}).items():
+                if card in state.get("cards", {}) and reserved >= 0:
+                    state["cards"][card]["reserved_mib"] = round(reserved, 1)
         return {
-            **(monitor.status() if monitor else {"alive": False}),
+            **state,
+            "hotplug": {
+                "events": dict(self.hotplug.handled) if self.hotplug else {},
+                "from": self._udev.source if self._udev else self.missing.get("udev"),
+            },
             "not_used": self.missing,
             "servers": {
-                s: sorted(self.card_map.cards_of(s)) for s in self.servers()
+                s: self.card_map.mapping_of(s).status() for s in self.servers()
             } if self.card_map else {},
         }  # fmt: skip

@@ -2,8 +2,9 @@
 
     .venv/bin/python -m scripts.doctor --servers http://127.0.0.1:8081,http://127.0.0.1:8082
 
-Memory sources and the cards they see, udev hotplug, which card each server sits on,
-the pressure lines in force, and the llama-server the test bed would use.
+Memory sources and the cards they see with the pressure lines in force on each, which
+hotplug events this machine will signal, which card each server sits on, and the
+llama-server the test bed would use.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 import httpx
 
 from watchers.gates import CardMap, parse_card_map
-from watchers.hotplug import DrmEvents, UdevObserver
+from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
-from watchers.reading import CardFailure, NotApplicable
-from watchers.sources import ALL, gpu_pids, open_sources
+from watchers.reading import CardFailure, NotApplicable, Reading
+from watchers.sources import ALL, card_map, open_sources
 
 OK, MISSING = "ok  ", "--  "
 
@@ -29,10 +30,29 @@ def describe_server(url: str, cards: CardMap) -> str:
         model = f"{Path(props.get('model_path', '?')).name}, {settings.get('n_ctx', '?')} ctx/slot"
     except (httpx.HTTPError, ValueError) as exc:
         return f"{MISSING}{url}: not answering /props ({exc.__class__.__name__}); is it running?"
-    on = ", ".join(sorted(cards.cards_of(url))) or (
-        "unknown: not on this machine, or not found; say it with spillover_cards"
+    mapping = cards.mapping_of(url)
+    on = ", ".join(sorted(mapping.cards)) or "none known"
+    return f"{OK}{url}: {model}; cards: {on} (by {mapping})"
+
+
+def describe_card(reading: Reading, lines: Lines) -> str:
+    """Use, and the lines in force on this card; a warning when it is over them at rest."""
+    if reading.total_mib is None:
+        return f"{reading.card}: {reading.used_mib:,.0f} MiB used (total unknown: steps only)"
+    floor = lines.floor(reading.total_mib)
+    free = reading.total_mib - reading.used_mib
+    step_leaves = lines.step_leaves(lines.step_mib, reading.total_mib)
+    said = (
+        f"{reading.card}: {reading.used_mib:,.0f} of {reading.total_mib:,.0f} MiB used, "
+        f"{free:,.0f} free; hands off at <= {floor:,.0f} MiB free or on a step of "
+        f"+{lines.step_mib:,.0f} MiB leaving <= {step_leaves:,.0f}"
     )
-    return f"{OK}{url}: {model}; cards: {on}"
+    if free <= floor + lines.rearm_mib:
+        said += (
+            f"\n        WARNING: only {free:,.0f} MiB free at rest: it is (or stays) under "
+            f"pressure and gets no new requests; lower spillover_free_floor_mib"
+        )
+    return said
 
 
 def main() -> None:
@@ -41,9 +61,11 @@ def main() -> None:
     parser.add_argument("--cards", default="", help="explicit mapping, as spillover_cards")
     parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
     parser.add_argument("--proc-root", type=Path, default=Path("/proc"))
+    parser.add_argument("--free-floor-mib", type=int, default=0, help="as spillover_free_floor_mib")
     args = parser.parse_args()
 
-    print("memory sources")
+    lines = Lines(free_floor_mib=args.free_floor_mib)
+    print("memory sources (lines: --set spillover_free_floor_mib, _step_mib, _rearm_mib)")
     sources, missing = open_sources(ALL, args.sysfs_root, args.proc_root)
     for source in sources:
         results = source.read()
@@ -52,28 +74,22 @@ def main() -> None:
             if isinstance(result, CardFailure):
                 print(f"        {result.card}: cannot be read: {result.error}")
             else:
-                total = f"{result.total_mib:,.0f}" if result.total_mib else "?"
-                print(f"        {result.card}: {result.used_mib:,.0f} of {total} MiB used")
+                print(f"        {describe_card(result, lines)}")
     for name, why in missing.items():
         print(f"  {MISSING}{name}: {why}")
-    try:
-        UdevObserver(DrmEvents(lambda: None, lambda card: None, lambda: None))
-        print(f"  {OK}udev: hotplug events will be followed")
-    except NotApplicable as exc:
-        print(f"  {MISSING}udev: {exc}")
 
-    lines = Lines()
-    print(
-        f"\npressure lines (defaults; --set spillover_... to change): "
-        f"{lines.used_fraction:.0%} used, {lines.free_floor_mib:.0f} MiB free floor, "
-        f"step {lines.step_mib:.0f} MiB within {lines.window_s * 1000:.0f} ms leaving "
-        f"<= {lines.step_free_mib:.0f} MiB free; two samples in a row"
-    )
+    print("\nhotplug")
+    try:
+        observer: UdevObserver | str = UdevObserver(HotplugEvents(lambda: None, lambda: None))
+    except NotApplicable as exc:
+        observer = str(exc)
+    for line in what_is_seen(pci_cards(args.sysfs_root), observer):
+        print(f"  {line}")
 
     servers = [s.strip().rstrip("/") for s in args.servers.split(",") if s.strip()]
     if servers:
         print("\nservers")
-        cards = CardMap(parse_card_map(args.cards), lambda: gpu_pids(sources), args.proc_root)
+        cards = card_map(parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root)
         for url in servers:
             print("  " + describe_server(url, cards))
 

@@ -55,3 +55,58 @@ def mem_available_mib() -> float:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no MemAvailable")
+
+
+class FakeProcess:
+    """/proc/<pid> with its comm and descriptors: fd/<n> symlinks to what it holds open. The
+    targets need not exist (the readers take the link's text, as for /dev/nvidia1 here)."""
+
+    def __init__(self, proc: Path, pid: int, comm: str = "llama-server") -> None:
+        self.proc = proc
+        self.pid = pid
+        self.dir = proc / str(pid)
+        (self.dir / "fd").mkdir(parents=True, exist_ok=True)
+        (self.dir / "comm").write_text(f"{comm}\n")
+
+    def open(self, target: str | Path) -> Path:
+        fd = self.dir / "fd" / str(3 + len(list((self.dir / "fd").iterdir())))
+        fd.symlink_to(target)
+        return fd
+
+    def listen(self, port: int, inode: int, uid: int = 0) -> None:
+        """A listening TCP socket on `port`, in proc/net/tcp and among the descriptors."""
+        add_listening_socket(self.proc, port, inode, uid)
+        self.open(f"socket:[{inode}]")
+
+
+def add_listening_socket(proc: Path, port: int, inode: int, uid: int = 0) -> None:
+    """One listening line of /proc/net/tcp (127.0.0.1:port), in the kernel's layout."""
+    table = proc / "net" / "tcp"
+    if not table.exists():
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt"
+            "   uid  timeout inode\n"
+        )
+    rows = len(table.read_text().splitlines()) - 1
+    with table.open("a") as out:
+        out.write(
+            f"{rows:4}: 0100007F:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
+            f"00000000 {uid:5} 0 {inode} 1 0000000000000000 100 0 0 10 0\n"
+        )
+
+
+def drm_node(sysfs: Path, name: str, device: Path, driver: str = "") -> None:
+    """/sys/class/drm/<name> (cardN or renderDN) of `device`, its /sys/dev/char/226:<minor>
+    link, and where `driver` is given the device's driver link (e.g. "nvidia")."""
+    node = sysfs / "class" / "drm" / name
+    node.mkdir(parents=True, exist_ok=True)
+    if not (node / "device").is_symlink():
+        (node / "device").symlink_to(device)
+    char = sysfs / "dev" / "char" / f"226:{name.removeprefix('card').removeprefix('renderD')}"
+    char.parent.mkdir(parents=True, exist_ok=True)
+    char.symlink_to(node)
+    if driver:
+        drivers = sysfs / "bus" / "pci" / "drivers" / driver
+        drivers.mkdir(parents=True, exist_ok=True)
+        (device / "driver").symlink_to(drivers)

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path: Path) -> None:
     sysfs, proc = tmp_path / "sys", tmp_path / "proc"
     FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=7000)  # full at rest: warned
     write_meminfo(proc / "meminfo", total_mib=24000, available_mib=20000)
     out = subprocess.run(
         [
@@ -24,8 +25,17 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
         ],
         cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert "ok  sysfs: 1 card(s)" in out and "drm:card0: 10,000 of 16,384 MiB used" in out
-    assert "ram: 4,000 of 24,000 MiB used" in out
+    assert "ok  sysfs: 2 card(s)" in out
+    assert (
+        "drm:card0: 10,000 of 16,384 MiB used, 6,384 free; hands off at <= 512 MiB free or "
+        "on a step of +1,024 MiB leaving <= 2,560"
+    ) in out
+    assert "WARNING: only 1,192 MiB free at rest" in out and out.count("WARNING") == 1
+    assert "ram: 4,000 of 24,000 MiB used, 20,000 free; hands off at <= 720 MiB free" in out
+    assert "\nhotplug\n" in out and "no display-class PCI device here" in out
     assert "--  nvml: NVML unavailable" in out or "ok  nvml" in out
-    assert f"ok  {primary.url}: primary.gguf, 1024 ctx/slot; cards: drm:card0" in out
+    assert (
+        f"ok  {primary.url}: primary.gguf, 1024 ctx/slot; cards: drm:card0 "
+        "(by explicit: spillover_cards)"
+    ) in out
     assert "http://127.0.0.1:9: not answering /props" in out

@@ -36,16 +36,18 @@ def test_a_step_on_the_primarys_card_hands_off(
     proxy, (card0, _) = watched
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
     assert status["alive"] and set(status["cards"]) == {"drm:card0", "drm:card1"}
-    assert status["servers"][primary.url] == ["drm:card0"]
+    assert status["servers"][primary.url]["cards"] == ["drm:card0"]
+    assert status["servers"][primary.url]["how"] == "explicit"
     stream = read_stream(
         proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
     )
     assert_one_clean_stream(stream)
     (note,) = stream.notes
-    assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left" in note
+    assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left, seen within" in note
     assert_exact_splice(stream, primary.url, fallback.url, LONG)
     metrics = httpx.get(proxy.url + "/spillover/metrics").text
     assert 'spillover_handoffs_total{kind="pressure"} 1.0' in metrics
+    assert "spillover_pressure_detection_seconds_count 1.0" in metrics
     assert "spillover_handoff_pause_seconds_count 1.0" in metrics
     assert 'spillover_card_used_mib{card="drm:card0"} 15041.0' in metrics
     assert "spillover_live_streams 0.0" in metrics
@@ -66,17 +68,24 @@ def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> 
     """The primary runs on the CPU, so its card is found to be system RAM; the test takes
     1,000 MiB of real memory with the free-memory line 400 MiB below what was free. The
     answer is long (larger slots) so the primary is still writing when the line is crossed
-    (filling 1,000 MiB takes a while)."""
+    (filling 1,000 MiB takes a while). The fallback stands for a server elsewhere (its card
+    is named, and this machine does not read it): one in the same RAM would be passed over,
+    as a handoff never goes onto the memory under pressure."""
     primary = start_server("primary", ctx_size=8192, slots=2)
     fallback = start_server("fallback", ctx_size=8192, slots=2)
     floor = int(mem_available_mib() - 400)
     proxy = start_proxy(
         primary.url,
         [fallback.url],
-        options=["spillover_sources=meminfo", f"spillover_free_floor_mib={floor}"],
+        options=[
+            "spillover_sources=meminfo",
+            f"spillover_free_floor_mib={floor}",
+            f"spillover_cards={fallback.url}=nvml:7",
+        ],
     )
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
-    assert status["servers"][primary.url] == ["ram"]
+    assert status["servers"][primary.url]["cards"] == ["ram"]
+    assert status["servers"][primary.url]["how"] == "ram"
     hog: list[bytes] = []
     stream = read_stream(
         proxy.url,
@@ -145,3 +154,28 @@ def test_a_fallback_under_pressure_hands_off_again(
     assert [note.split(" -> ")[1].split()[0] for note in stream.notes] == [fallback.url, last.url]
     assert "memory pressure on drm:card1" in stream.notes[1]
     assert sum(stream.segment_tokens) == LONG
+
+
+def test_never_onto_the_card_that_fired(
+    start_server, start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    """The first fallback shares the primary's card: a step there passes it over, for the
+    answer that moves and for a new request."""
+    last = start_server("primary")  # the third rung, on a card of its own
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card2", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card0", last.url: "drm:card2"}
+    proxy = start_proxy(primary.url, [fallback.url, last.url], options=watch_sysfs(sysfs, on))
+    stream = read_stream(
+        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{primary.url} -> {last.url} " in note and "memory pressure on drm:card0" in note
+    states = httpx.get(proxy.url + "/spillover/status").json()["routing"]["states"]
+    assert states[fallback.url]["state"] == "pressured"
+    new = read_stream(proxy.url, chat_body(20))
+    assert_one_clean_stream(new)
+    why = "drm:card0: step +5,041 MiB, 1,343 MiB left"
+    assert new.notes == [f": spillover: started on {last.url}: {primary.url} is pressured ({why})"]

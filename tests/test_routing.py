@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from addon.ladder import Ladder
+from addon.upstream import Upstream
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
 from scripts.mitm import watch_sysfs
@@ -232,3 +234,14 @@ def test_a_requested_handoff_is_not_handed_back(
     stream = read_stream(proxy.url, chat_body(600), on_chunk=ask)
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and f"{primary.url} -> {fallback.url}" in stream.notes[0]
+
+
+def test_the_ladder_passes_over_pressured_servers_unless_all_else_failed() -> None:
+    servers = [Upstream(f"http://s{i}") for i in range(4)]
+    states = {"http://s1": "pressured", "http://s2": "down", "http://s3": "ok"}
+    ladder = Ladder(servers, lambda url: states.get(url, "ok"))
+    assert ladder.below() == [3]  # not the pressured one, not the one down
+    ladder.at = 3
+    assert ladder.after_failure() == 0  # back up to the primary first...
+    ladder.at = 0
+    assert ladder.after_failure() == 1  # ...and the pressured one only when it failed too

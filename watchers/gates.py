@@ -1,18 +1,23 @@
 """Which cards a server uses, so only streams on a card under pressure are handed off.
 
 Found automatically for servers on this machine: listening port -> process -> the cards
-NVML or the DRM fdinfo counters show it on; a server on no GPU computes in system RAM.
+NVML's process lists or the DRM fdinfo counters show it on, else the GPU device files it
+holds open (`watchers.devices`); a server with no GPU device open computes in system RAM.
 An explicit mapping (`spillover_cards`) wins, and is the only way for remote servers.
+`CardMap.mapping_of` says which of these ways each server was mapped, and why not.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from watchers.devices import DeviceCards, open_devices
+from watchers.listeners import Listeners, find_listeners
+from watchers.listeners import listening_pids as listening_pids  # for older importers
 from watchers.meminfo import CARD as RAM
 
 REFRESH_SECONDS = 10.0
@@ -29,33 +34,57 @@ def parse_card_map(text: str) -> dict[str, set[str]]:
     return mapping
 
 
-def listening_pids(port: int, proc: Path = Path("/proc")) -> set[int]:
-    """Processes with a TCP socket listening on `port`."""
-    inodes = set()
-    for table in ("net/tcp", "net/tcp6"):
-        try:
-            lines = (proc / table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    pids = set()
-    for pid in (p for p in proc.iterdir() if p.name.isdigit()):
-        try:
-            fds = list((pid / "fd").iterdir())
-        except OSError:
-            continue  # gone, or not ours to read
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue  # closed meanwhile: one vanished descriptor must not hide the rest
-            if target in inodes:
-                pids.add(int(pid.name))
-                break
-    return pids
+# How a server was mapped (`Mapping.how`); two of the first four may be joined by " + ".
+EXPLICIT = "explicit"  # spillover_cards
+NVML_PROCESSES = "nvml processes"  # NVML's compute/graphics process lists name the pid
+DRM_FDINFO = "drm fdinfo"  # the pid holds DRM memory in its fdinfo counters
+PROCESS_LIST = "gpu process list"  # a pid -> cards list that does not say where it came from
+DEVICE_FILES = "device files"  # /dev/nvidia<N>, /dev/dri/renderD<N> or card<N> held open
+IN_RAM = "ram"  # a local process with no GPU device open
+REMOTE = "not on this machine"
+NOT_LISTENING = "not listening"
+PERMISSION = "permission"  # the process is there, but its descriptors are not ours to read
+UNSEEN = "unseen"  # the port listens, but no process visible here holds it
+FORWARDED = "forwarded"  # the port is held by a forwarder (docker-proxy, ssh -L...)
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+FORWARDERS = {"docker-proxy", "rootlessport", "slirp4netns", "pasta", "pasta.avx2", "ssh"}
+SAY_IT = "say its cards with spillover_cards"
+MANY_CARDS = (
+    "a process holds the device files of every card it can see, used or not, so it may "
+    "compute on fewer of these (CUDA_VISIBLE_DEVICES narrows what it sees; " + SAY_IT + ")"
+)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    cards: frozenset[str]
+    how: str  # one of the names above
+    detail: str = ""  # for people: which processes, which device files, what to do
+    pids: tuple[int, ...] = ()  # the server's processes (or those we could not read)
+
+    def __str__(self) -> str:
+        return f"{self.how}: {self.detail}" if self.detail else self.how
+
+    def status(self) -> dict:
+        return {
+            "cards": sorted(self.cards),
+            "how": self.how,
+            "detail": self.detail,
+            "pids": list(self.pids),
+        }
+
+
+class PidCards(dict[int, set[str]]):
+    """pid -> GPU cards it holds, and `how[pid]`: which lists named it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.how: dict[int, set[str]] = {}
+
+    def add(self, pid: int, cards: Iterable[str], how: str) -> None:
+        self.setdefault(pid, set()).update(cards)
+        self.how.setdefault(pid, set()).add(how)
 
 
 class CardMap:
@@ -64,34 +93,119 @@ class CardMap:
         explicit: dict[str, set[str]],
         gpu_pids: Callable[[], dict[int, set[str]]],
         proc: Path = Path("/proc"),
+        *,
+        sysfs: Path = Path("/sys"),
+        minors: Callable[[], dict[int, str]] = dict,
     ) -> None:
-        """`gpu_pids` gives pid -> GPU cards it holds (from NVML and fdinfo)."""
+        """`gpu_pids` gives pid -> GPU cards it holds (from NVML and fdinfo; a `PidCards`
+        also says which); `minors` gives NVML's /dev/nvidia<N> minor -> card."""
         self.explicit = explicit
         self._gpu_pids = gpu_pids
+        self._minors = minors
         self._proc = proc
-        self._cache: dict[str, tuple[float, set[str]]] = {}
+        self._sys = sysfs
+        self._cache: dict[str, tuple[float, Mapping]] = {}
 
-    def cards_of(self, server: str) -> set[str]:
+    def mapping_of(self, server: str) -> Mapping:
         server = server.rstrip("/")
         if server in self.explicit:
-            return self.explicit[server]
+            return Mapping(frozenset(self.explicit[server]), EXPLICIT, "spillover_cards")
         cached = self._cache.get(server)
         if cached is not None and time.monotonic() - cached[0] < REFRESH_SECONDS:
             return cached[1]
-        cards = self._discover(server)
-        self._cache[server] = (time.monotonic(), cards)
-        return cards
+        mapping = self._discover(server)
+        self._cache[server] = (time.monotonic(), mapping)
+        return mapping
 
-    def _discover(self, server: str) -> set[str]:
-        parts = urlsplit(server)
-        if parts.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
-            return set()  # not on this machine: only an explicit mapping can tell
-        pids = listening_pids(parts.port or 80, self._proc)
-        if not pids:
-            return set()
-        held = self._gpu_pids()
-        cards = set().union(*(held.get(pid, set()) for pid in pids))
-        return cards or {RAM}
+    def cards_of(self, server: str) -> set[str]:
+        return set(self.mapping_of(server).cards)
 
     def servers_on(self, card: str, servers: Iterable[str]) -> set[str]:
-        return {s for s in servers if card in self.cards_of(s)}
+        return {s for s in servers if card in self.mapping_of(s).cards}
+
+    def _discover(self, server: str) -> Mapping:
+        parts = urlsplit(server)
+        if parts.hostname not in LOCAL_HOSTS:
+            return Mapping(frozenset(), REMOTE, f"{parts.hostname} is not this machine: {SAY_IT}")
+        port = parts.port or 80
+        found = find_listeners(port, self._proc)
+        if not found.pids:
+            return self._not_found(port, found)
+        pids = tuple(sorted(found.pids))
+        names = {pid: self._comm(pid) for pid in pids}
+        who = ", ".join(f"pid {pid} ({name})" for pid, name in names.items())
+        held = self._gpu_pids()
+        listed = [pid for pid in pids if pid in held]
+        if listed:
+            labels = getattr(held, "how", {})
+            how = " + ".join(sorted(set().union(*(labels.get(p, {PROCESS_LIST}) for p in listed))))
+            cards = frozenset().union(*(held[pid] for pid in listed))
+            return Mapping(cards, how, f"{who} on {', '.join(sorted(cards))}", pids)
+        if all(name in FORWARDERS for name in names.values()):
+            return Mapping(
+                frozenset(), FORWARDED,
+                f"port {port} is held by {who}, a forwarder: the server behind it cannot be "
+                f"followed from here; {SAY_IT}",
+                pids,
+            )  # fmt: skip
+        return self._by_devices(pids, who)
+
+    def _by_devices(self, pids: tuple[int, ...], who: str) -> Mapping:
+        cards: set[str] = set()
+        notes: list[str] = []
+        resolver: DeviceCards | None = None
+        alive = 0
+        for pid in pids:
+            try:
+                devices = open_devices(pid, self._proc)
+            except PermissionError:
+                return Mapping(frozenset(), PERMISSION, self._cannot_read([pid]), pids)
+            except OSError:
+                continue  # exited meanwhile
+            alive += 1
+            for device in devices:
+                resolver = resolver or DeviceCards(self._minors(), self._sys)
+                if (found := resolver.identify(device)) is not None:
+                    notes.append(found.note)
+                    if found.card is not None:
+                        cards.add(found.card)
+        if not alive:
+            return Mapping(frozenset(), NOT_LISTENING, f"{who} exited", pids)
+        if not notes:
+            return Mapping(frozenset({RAM}), IN_RAM, f"no GPU device open by {who}", pids)
+        if len(cards) > 1:
+            notes.append(MANY_CARDS)
+        return Mapping(frozenset(cards), DEVICE_FILES, f"{who}: {'; '.join(notes)}", pids)
+
+    def _not_found(self, port: int, found: Listeners) -> Mapping:
+        if found.unreadable:
+            pids = tuple(sorted(found.unreadable))
+            return Mapping(
+                frozenset(), PERMISSION, f"port {port} listens, but {self._cannot_read(pids)}", pids
+            )
+        if found.listening:
+            return Mapping(
+                frozenset(), UNSEEN,
+                f"port {port} listens, but no process visible here holds it (another PID "
+                f"namespace?): {SAY_IT}",
+            )  # fmt: skip
+        return Mapping(
+            frozenset(), NOT_LISTENING,
+            f"no process listening on port {port} in this network namespace (a server in a "
+            f"container behind a published port cannot be followed: {SAY_IT})",
+        )  # fmt: skip
+
+    def _cannot_read(self, pids: Iterable[int]) -> str:
+        pids = list(pids)
+        shown = ", ".join(f"{self._proc}/{pid}/fd" for pid in pids[:4])
+        more = f" and {len(pids) - 4} more" if len(pids) > 4 else ""
+        return (
+            f"cannot read {shown}{more} (permission denied: another user's process); run the "
+            f"proxy as that user, as root or with CAP_SYS_PTRACE, or {SAY_IT}"
+        )
+
+    def _comm(self, pid: int) -> str:
+        try:
+            return (self._proc / str(pid) / "comm").read_text().strip()
+        except OSError:
+            return "?"

@@ -1,23 +1,32 @@
-"""The monitor thread: samples every source at a short interval and reports pressure.
+"""The monitor thread: samples every source and reports pressure.
 
 A sample of the sysfs and meminfo sources reads two or three small files (tens of
-microseconds); NVML's memory query is a driver call of similar cost. `wake()` samples at
-once (udev change events call it). Failing or stale readings are reported in `status()`
-and never trigger anything; an exception in a source is logged and the thread goes on.
+microseconds); NVML's memory query is a driver call of similar cost, so what an idle
+monitor costs is mostly its wake-ups. It samples every `interval` while any card is near
+its lines (a sudden allocation of at most NEAR_MIB would fire), every SLOW_FACTOR
+intervals while all are far, and a reading over a line is confirmed CONFIRM_S later
+rather than a whole interval. `wake()` samples at once (udev change events call it).
+Failing or stale readings are reported in `status()` and never trigger anything; an
+exception in a source is logged and the thread goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from watchers.pressure import CardState, Lines
+from watchers.pressure import CardState, Crossing, Lines
 from watchers.reading import CardFailure, Source
 
 log = logging.getLogger(__name__)
-OnPressure = Callable[[str, str], None]  # (card, reason)
+OnPressure = Callable[[Crossing], None]
+NEAR_MIB = 8192.0
+SLOW_FACTOR = 10
+CONFIRM_S = 0.003
 
 
 class MemoryMonitor:
@@ -37,7 +46,9 @@ class MemoryMonitor:
         self.cards: dict[str, CardState] = {}
         self.source_errors: dict[str, str] = {}
         self.samples = 0
-        self._wake = threading.Event()
+        self.next_wait = interval
+        self.reported: set[str] = set()  # cards read in the last sample
+        self._wake = _Wakeup()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="spillover-memory", daemon=True)
@@ -51,6 +62,8 @@ class MemoryMonitor:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
+        if not self._thread.is_alive():
+            self._wake.close()
 
     def wake(self) -> None:
         self._wake.set()
@@ -65,13 +78,13 @@ class MemoryMonitor:
                 self.sample()
             except Exception:  # a bug in one sample must not end the watching
                 log.exception("memory sample failed")
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            self._wake.wait(self.next_wait)
 
     def sample(self) -> None:
-        fired: list[tuple[str, str]] = []
+        fired: list[Crossing] = []
         with self._lock:
             self.samples += 1
+            self.reported = set()
             for source in self.sources:
                 try:
                     results = source.read()
@@ -82,18 +95,44 @@ class MemoryMonitor:
                     continue
                 self.source_errors.pop(source.name, None)
                 for result in results:
+                    self.reported.add(result.card)
                     state = self.cards.setdefault(result.card, CardState(result.card))
                     if isinstance(result, CardFailure):
                         state.fail(result.error)
-                    elif (reason := state.observe(result, self.lines)) is not None:
-                        fired.append((result.card, reason))
+                    elif (crossing := state.observe(result, self.lines)) is not None:
+                        fired.append(crossing)
             now = time.monotonic()
             for state in self.cards.values():
                 if state.last is not None and now - state.last.time > self.stale_after:
                     state.fail(f"stale: no reading for {now - state.last.time:.1f}s")
-        for card, reason in fired:
-            log.warning("memory pressure on %s: %s", card, reason)
-            self.on_pressure(card, reason)
+            self.next_wait = self._pace()
+        for crossing in fired:
+            log.warning("memory pressure on %s: %s", crossing.card, crossing.line)
+            self.on_pressure(crossing)
+
+    def _pace(self) -> float:
+        states = self.cards.values()
+        if any(s.suspect is not None for s in states):
+            return CONFIRM_S
+        if any(s.last is None or _near(self.lines.margin(s.last)) for s in states):
+            return self.interval
+        return self.interval * SLOW_FACTOR
+
+    def rescan(self) -> None:
+        """Cards appeared, went or changed (hotplug): sources look again, and the state
+        of every card that went, or whose name now means another card, is dropped."""
+        with self._lock:  # never while the monitor thread reads the same source
+            gone: set[str] = set()
+            for source in self.sources:
+                if (rescan := getattr(source, "rescan", None)) is not None:
+                    gone |= rescan() or set()
+            for card in gone:
+                self.cards.pop(card, None)
+        self.sample()
+        with self._lock:
+            if not self.source_errors:
+                for card in set(self.cards) - self.reported:
+                    del self.cards[card]
 
     def pressed(self, cards: set[str], now: float, dwell_s: float) -> str | None:
         """Why any of these cards is not yet fit for new work, or None."""
@@ -104,22 +143,21 @@ class MemoryMonitor:
                     return why
         return None
 
-    def forget(self, card: str) -> None:
-        """A card went away (hotplug): drop its state."""
-        with self._lock:
-            self.cards.pop(card, None)
-
     def status(self) -> dict:
         with self._lock:
             return {
                 "alive": self.alive,
                 "samples": self.samples,
                 "interval_ms": self.interval * 1000,
+                "sampling_every_ms": round(self.next_wait * 1000, 1),
                 "source_errors": dict(self.source_errors),
                 "cards": {
                     card: {
                         "used_mib": None if s.last is None else round(s.last.used_mib, 1),
                         "total_mib": None if s.last is None else s.last.total_mib,
+                        "floor_mib": None
+                        if s.last is None
+                        else round(self.lines.floor(s.last.total_mib), 1),
                         "armed": s.armed,
                         "fired": s.fired,
                         "error": s.error,
@@ -127,3 +165,30 @@ class MemoryMonitor:
                     for card, s in self.cards.items()
                 },
             }
+
+
+def _near(margin: float | None) -> bool:
+    return margin is None or margin <= NEAR_MIB
+
+
+class _Wakeup:
+    """A timed wait that another thread can cut short: one poll(2) on an eventfd. Most
+    of an idle monitor's cost is its wake-ups; this one costs half of Event.wait's."""
+
+    def __init__(self) -> None:
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+
+    def set(self) -> None:
+        if self._fd >= 0:
+            os.eventfd_write(self._fd, 1)
+
+    def wait(self, seconds: float) -> None:
+        if self._poll.poll(seconds * 1000):
+            os.eventfd_read(self._fd)  # woken: reset
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,4 +1,5 @@
-"""NVIDIA cards through NVML (nvidia-ml-py): memory per card, and which processes use it."""
+"""NVIDIA cards through NVML (nvidia-ml-py): memory per card, which processes use it, and
+each card's device minor number (/dev/nvidia<N>)."""
 
 from __future__ import annotations
 
@@ -19,29 +20,84 @@ class NvmlSource:
             import pynvml
         except ImportError:
             raise NotApplicable("nvidia-ml-py is not installed: pip install nvidia-ml-py") from None
+        self._nvml = pynvml
+        self._v1_only = (
+            pynvml.NVMLError_FunctionNotFound,  # a driver older than the v2 query
+            pynvml.NVMLError_NotSupported,
+            pynvml.NVMLError_ArgumentVersionMismatch,
+        )
+        self.handles: list = []
+        self.uuids: list[str] = []
+        self.reserved_mib: dict[str, float] = {}  # the driver's own reserve, where v2 tells
         try:
             pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
+            self._enumerate()
         except pynvml.NVMLError as exc:
             raise NotApplicable(
                 f"NVML unavailable ({exc}): no NVIDIA driver here, or it is not loaded "
                 "(check nvidia-smi)"
             ) from None
-        self._nvml = pynvml
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+
+    def _enumerate(self) -> None:
+        nvml = self._nvml
+        count = nvml.nvmlDeviceGetCount()
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self.uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in self.handles]
+
+    def rescan(self) -> set[str]:
+        """Re-initialise NVML after a PCI hotplug event (its card list is fixed at init):
+        the cards whose index now names another card, or none, are returned (forget them)."""
+        nvml, before = self._nvml, list(self.uuids)
+        try:
+            nvml.nvmlShutdown()
+            nvml.nvmlInit()
+            self._enumerate()
+        except nvml.NVMLError:
+            self.handles, self.uuids = [], []
+        count = max(len(before), len(self.uuids))
+        return {
+            card_id(i)
+            for i in range(count)
+            if (before[i] if i < len(before) else None)
+            != (self.uuids[i] if i < len(self.uuids) else None)
+        }
 
     def read(self) -> list[Reading | CardFailure]:
         readings: list[Reading | CardFailure] = []
         for index, handle in enumerate(self.handles):
+            card = card_id(index)
             try:
-                memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                used, total = self._memory(card, handle)
             except self._nvml.NVMLError as exc:
-                readings.append(CardFailure(card_id(index), str(exc)))
+                readings.append(CardFailure(card, str(exc)))
                 continue
-            readings.append(
-                Reading(card_id(index), memory.used / MIB, memory.total / MIB, time.monotonic())
-            )
+            readings.append(Reading(card, used, total, time.monotonic()))
         return readings
+
+    def _memory(self, card: str, handle) -> tuple[float, float]:
+        """(used, usable total) in MiB. NVML's v2 query counts the driver's reserve (about
+        615 MiB on an idle H200) apart from used memory: it is neither used by anyone nor
+        ever free, so it leaves the total. v1 (older drivers) counts it as used."""
+        nvml = self._nvml
+        if card not in self.reserved_mib or self.reserved_mib[card] >= 0:
+            try:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                self.reserved_mib[card] = memory.reserved / MIB
+                return memory.used / MIB, (memory.total - memory.reserved) / MIB
+            except self._v1_only:
+                self.reserved_mib[card] = -1  # v1 only: do not ask again
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return memory.used / MIB, memory.total / MIB
+
+    def minor_numbers(self) -> dict[int, str]:
+        """/dev/nvidia<N> minor number -> card, for mapping a process by its open devices."""
+        minors: dict[int, str] = {}
+        for index, handle in enumerate(self.handles):
+            try:
+                minors[self._nvml.nvmlDeviceGetMinorNumber(handle)] = card_id(index)
+            except self._nvml.NVMLError:
+                continue
+        return minors
 
     def processes(self) -> dict[int, set[str]]:
         """pid -> cards it has memory on (where the driver tells; some hide other users')."""
@@ -58,3 +114,7 @@ class NvmlSource:
                 except nvml.NVMLError:
                     continue
         return found
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from watchers.fdinfo import FdinfoSource
+from watchers.gates import DRM_FDINFO, NVML_PROCESSES, CardMap, PidCards
 from watchers.meminfo import MeminfoSource
 from watchers.nvml import NvmlSource
 from watchers.reading import NotApplicable, Source
@@ -37,15 +38,37 @@ def open_sources(
     return sources, missing
 
 
-def gpu_pids(sources: Iterable[Source]) -> dict[int, set[str]]:
-    """pid -> GPU cards it holds memory on, from every source that can tell."""
-    held: dict[int, set[str]] = {}
+def gpu_pids(sources: Iterable[Source]) -> PidCards:
+    """pid -> GPU cards it holds memory on, from every source that can tell (and which)."""
+    held = PidCards()
     for source in sources:
         if isinstance(source, NvmlSource):
             for pid, cards in source.processes().items():
-                held.setdefault(pid, set()).update(cards)
+                held.add(pid, cards, NVML_PROCESSES)
         elif isinstance(source, FdinfoSource):
             for card, pids in source.pids.items():
                 for pid in pids:
-                    held.setdefault(pid, set()).add(card)
+                    held.add(pid, {card}, DRM_FDINFO)
     return held
+
+
+def nvml_minors(sources: Iterable[Source]) -> dict[int, str]:
+    """/dev/nvidia<N> minor number -> NVML card, for mapping servers by their device files."""
+    minors: dict[int, str] = {}
+    for source in sources:
+        if isinstance(source, NvmlSource):
+            minors.update(source.minor_numbers())
+    return minors
+
+
+def card_map(
+    explicit: dict[str, set[str]], sources: list[Source], proc_root: Path, sysfs_root: Path
+) -> CardMap:
+    """Which cards each server uses, found with every source that can tell."""
+    return CardMap(
+        explicit,
+        lambda: gpu_pids(sources),
+        proc_root,
+        sysfs=sysfs_root,
+        minors=lambda: nvml_minors(sources),
+    )

@@ -1,0 +1,59 @@
+"""Which processes listen on a local TCP port: /proc/net/tcp{,6} -> socket inode -> the
+processes holding it, and, when none can be read, whose they are."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Listeners:
+    listening: bool  # a socket in this network namespace listens on the port
+    pids: frozenset[int]  # the processes holding it
+    unreadable: frozenset[int]  # processes of the socket's owner whose descriptors we may not read
+
+
+def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
+    """Who holds a socket listening on `port` (IPv4 or IPv6, any address)."""
+    inodes, uids = set(), set()
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            lines = (proc / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+                uids.add(int(fields[7]))
+    if not inodes:
+        return Listeners(False, frozenset(), frozenset())
+    pids, unreadable = set(), set()
+    for pid in (p for p in proc.iterdir() if p.name.isdigit()):
+        try:
+            fds = list((pid / "fd").iterdir())
+        except PermissionError:
+            try:
+                if pid.stat().st_uid in uids:
+                    unreadable.add(int(pid.name))
+            except OSError:
+                pass
+            continue
+        except OSError:
+            continue  # gone
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue  # closed meanwhile: one vanished descriptor must not hide the rest
+            if target in inodes:
+                pids.add(int(pid.name))
+                break
+    return Listeners(True, frozenset(pids), frozenset(unreadable))
+
+
+def listening_pids(port: int, proc: Path = Path("/proc")) -> set[int]:
+    """Processes with a TCP socket listening on `port`."""
+    return set(find_listeners(port, proc).pids)
