@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -261,9 +263,15 @@ def test_another_users_server_says_permission_on_the_real_proc() -> None:
             finally:
                 os._exit(0)
         os.close(write_end)
+        # fork() in a threaded process can leave the child stuck on a lock another thread
+        # held: never wait on it for ever.
+        ready, _, _ = select.select([read_end], [], [], 10)
+        if not ready:
+            os.kill(child, signal.SIGKILL)
         with os.fdopen(read_end) as pipe:
-            answer = pipe.read()
+            answer = pipe.read() if ready else ""
         os.waitpid(child, 0)
+        assert answer, "the child process answered nothing within 10 s"
     status = json.loads(answer)
     assert status["how"] == gates.PERMISSION and status["cards"] == []
     assert os.getpid() in status["pids"] and "permission denied" in status["detail"]
