@@ -103,6 +103,7 @@ class Splice:
         self.raw_body = raw_body
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
+        self._noted = 0  # handoffs told to the client
         self.streaming = body.get("stream") is True
         self._next = NextLeg(path, body, self.transcript, self.ladder[0], servers, self.asks_ids)
         self._servers = servers
@@ -256,13 +257,17 @@ class Splice:
         self.handoffs.append(handoff)
         self._on_handoff(handoff)
 
-    def _note(self, client: ClientStream, handoff: Handoff) -> None:
-        """Tell the client, in a comment line, where and how the answer moved."""
-        note = sse.comment(f"spillover: {handoff.describe()}") + SEP
+    def _note(self, client: ClientStream) -> None:
+        """Tell the client, in a comment line each, where and how the answer moved: every
+        handoff not told yet (a leg dropped before it began left its own untold)."""
+        notes = [
+            sse.comment(f"spillover: {h.describe()}") + SEP for h in self.handoffs[self._noted :]
+        ]
+        self._noted = len(self.handoffs)
         if client.started:
-            client.write(note)
+            client.write(b"".join(notes))
         else:
-            self._queued.append(note)
+            self._queued.extend(notes)
 
     def _give_up(self, client: ClientStream, failure: str) -> None:
         message = f"no server could continue this answer: {failure}"
@@ -287,7 +292,7 @@ class Splice:
             except Exception as exc:  # one answer's odd shape must not end it unexplained
                 log.exception("cannot build the continuation for %s", upstream.url)
                 request = f"cannot build a continuation for {upstream.url}: {exc!r}"
-            self._note(client, self.handoffs[-1])
+            self._note(client)
             if isinstance(request, str):
                 return request
             path, body, rewriter = request

@@ -1,11 +1,14 @@
 """Benchmark: what the addon costs when nothing goes wrong, and what a handoff costs.
 
 Part 1, side by side in one run against a max-rate stand-in server (scripts/sse_source.py):
-direct, plain mitmdump (streaming) and mitmdump with the addon; throughput with 1 and 32
-streams, and per-chunk latency at 500 chunks/s.
-Part 2, real llama-servers: the handoff pause a client sees (handoff note -> first
-fallback chunk), cold (fresh fallback, empty prompt cache) and warm (prompt cached),
-next to the fallback's own prompt time.
+direct, plain mitmdump (streaming) and mitmdump with the addon (no fallback; a fallback
+with the same tokenizer, so the first leg asks for token ids; the same with exact replay
+off); throughput with 1 and 32 streams, and per-chunk latency at 500 chunks/s. Each row
+checks with the stand-in that its requests took the path it names.
+Part 2, real llama-servers: time to the first token (short prompt, median of 30) direct,
+through plain mitmdump and through the addon; the handoff pause a client sees (handoff
+note -> first fallback chunk), cold (fresh fallback, empty prompt cache) and warm
+(prompt cached), next to the fallback's own prompt time.
 
     .venv/bin/python -m scripts.bench_splice [--quick]
 """
@@ -67,8 +70,12 @@ async def read_stream(port: int, body: dict, latencies: list[float] | None = Non
     return events
 
 
+# One real message: with none, the addon never asks for token ids (nothing to replay).
+MESSAGES = [{"role": "user", "content": "Count to a thousand."}]
+
+
 async def throughput(port: int, streams: int, chunks: int) -> float:
-    body = {"stream": True, "max_tokens": chunks, "messages": []}
+    body = {"stream": True, "max_tokens": chunks, "messages": MESSAGES}
     start = time.perf_counter()
     counts = await asyncio.gather(*(read_stream(port, body) for _ in range(streams)))
     elapsed = time.perf_counter() - start
@@ -78,7 +85,7 @@ async def throughput(port: int, streams: int, chunks: int) -> float:
 
 async def latency(port: int, chunks: int) -> tuple[float, float]:
     samples: list[float] = []
-    body = {"stream": True, "max_tokens": chunks, "interval_ms": 2, "messages": []}
+    body = {"stream": True, "max_tokens": chunks, "interval_ms": 2, "messages": MESSAGES}
     await read_stream(port, body, samples)
     samples.sort()
     return samples[len(samples) // 2], samples[int(len(samples) * 0.95)]
@@ -94,6 +101,9 @@ def overhead(quick: bool, work: Path) -> None:
             "addon": Mitmdump(source.url, [], log_dir=work),
             # A fallback with the same tokenizer: the first leg is asked for token ids.
             "addon, ids": Mitmdump(source.url, [source.url], log_dir=work),
+            "addon, ids off": Mitmdump(
+                source.url, [source.url], options=["spillover_exact_replay=false"], log_dir=work
+            ),
         }
         results: dict[str, tuple[float, float, float, float]] = {}
         for name, proxy in setups.items():
@@ -102,6 +112,7 @@ def overhead(quick: bool, work: Path) -> None:
                 if proxy.fallbacks:
                     wait_for_tokenizers(proxy)
             port = proxy.port if proxy else source.port
+            before = served(source)
             try:
                 asyncio.run(throughput(port, 1, 500))  # warm up
                 one = asyncio.run(throughput(port, 1, single))
@@ -110,12 +121,13 @@ def overhead(quick: bool, work: Path) -> None:
             finally:
                 if proxy is not None:
                     proxy.stop()
+            check_path(name, before, served(source))
             results[name] = (one, many, p50, p95)
     plain = results["plain mitmdump"]
     print(f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8}")
     for name, (one, many, p50, p95) in results.items():
         print(f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f}")
-    for name in ("addon", "addon, ids"):
+    for name in ("addon", "addon, ids", "addon, ids off"):
         addon = results[name]
         print(
             f"{name} / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "
@@ -123,6 +135,22 @@ def overhead(quick: bool, work: Path) -> None:
             f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms"
         )
     print(f"plain mitmdump / direct: throughput {plain[0] / results['direct'][0]:.2f}x (1 stream)")
+
+
+def served(source: SseSource) -> dict[str, int]:
+    return httpx.get(f"{source.url}/bench/requests").json()
+
+
+def check_path(row: str, before: dict[str, int], after: dict[str, int]) -> None:
+    """Every stream of a row asked for token ids exactly when the row says so."""
+    streams = after["streams"] - before["streams"]
+    with_ids = after["with_ids"] - before["with_ids"]
+    expected = streams if row == "addon, ids" else 0
+    if streams == 0 or with_ids != expected:
+        raise RuntimeError(
+            f"row {row!r} did not take its path: {with_ids} of {streams} streams asked for "
+            f"token ids, expected {expected}"
+        )
 
 
 def wait_for_tokenizers(proxy: Mitmdump) -> None:
@@ -159,6 +187,36 @@ def handoff_pause(proxy: Mitmdump, control: httpx.Client, cut: int = 100) -> tup
     return (first_after - note_at) * 1000, prompt_ms
 
 
+def first_token_ms(url: str) -> float:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                return (time.perf_counter() - start) * 1000
+    raise RuntimeError(f"no token from {url}")
+
+
+def first_token(primary: LlamaServer, fallback: LlamaServer, repeats: int, work: Path) -> None:
+    """Median time to the first token, direct and through each proxy, interleaved."""
+    plain = Mitmdump(primary.url, addon=False, log_dir=work)
+    addon = Mitmdump(primary.url, [fallback.url], log_dir=work)
+    with running(plain, addon):
+        wait_for_tokenizers(addon)
+        urls = {"direct": primary.url, "plain mitmdump": plain.url, "addon": addon.url}
+        for url in urls.values():
+            first_token_ms(url)  # warm up: connections, the prompt cache
+        samples: dict[str, list[float]] = {name: [] for name in urls}
+        for _ in range(repeats):
+            for name, url in urls.items():
+                samples[name].append(first_token_ms(url))
+    direct = statistics.median(samples["direct"])
+    print(f"\n{'first token':16} {'median ms':>10} {'over direct':>12}")
+    for name, values in samples.items():
+        median = statistics.median(values)
+        print(f"{name:16} {median:10.2f} {median - direct:+12.2f}")
+
+
 def pauses(quick: bool, work: Path) -> None:
     models = ensure_models(work / "models")
     control = httpx.Client()
@@ -169,6 +227,7 @@ def pauses(quick: bool, work: Path) -> None:
     fallback = LlamaServer(models["fallback"], ctx_size=16384, log_dir=work)
     results = {}
     with running(primary, fallback):
+        first_token(primary, fallback, 10 if quick else 30, work)
         for replay, exact in (("token ids", "true"), ("text", "false")):
             options = [f"spillover_exact_replay={exact}"]
             proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)

@@ -9,7 +9,9 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
 With "logprobs": true each chunk carries its token's id, as llama-server's do; with
 "big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
 It also
-answers the questions the addon asks a server at start (/props, /v1/models, /tokenize).
+answers the questions the addon asks a server at start (/props, /v1/models, /tokenize),
+and `GET /bench/requests` says how many streams it served and how many of them asked for
+token ids (so a benchmark can check that each of its rows takes the path it names).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BATCH = 64  # events per socket write when unpaced
+served = {"streams": 0, "with_ids": 0}
 
 
 ABOUT = {
@@ -77,12 +80,15 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             body = json.loads(await reader.readexactly(length) or b"{}")
             path = head.split(b" ")[1].decode()
             if path in ABOUT or head.startswith(b"GET"):
-                answer = json.dumps(ABOUT.get(path, "ok")).encode()
+                answer = json.dumps(served if path == "/bench/requests" else ABOUT.get(path, "ok"))
+                answer = answer.encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer)
                 )
                 continue
             ids = body.get("logprobs") is True
+            served["streams"] += 1
+            served["with_ids"] += ids
             count = int(body.get("max_tokens", 1000))
             interval = float(body.get("interval_ms", 0)) / 1000
             writer.write(HEAD)
