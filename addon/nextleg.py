@@ -32,31 +32,39 @@ class NextLeg:
         self.primary = primary
         self._servers = servers
         self.asks_ids = asks_ids
+        self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
 
     async def request(
-        self, upstream: Upstream, handoff: Handoff
+        self, upstream: Upstream, handoff: Handoff, slot: int | None = None
     ) -> tuple[str, bytes, Rewriter] | str:
         """The request that continues the answer on `upstream` (path, body and how to
-        rewrite its chunks), or why it cannot take it."""
-        native = await self._exact(upstream)
-        if native is not None:
-            body, rewriter = native
-            path = "/completion"
-            handoff.replay = "token ids"
-        else:
-            body = continuation_body(self.body, self.transcript)
-            info = self._servers.get(upstream) if self._servers else None
-            rewriter = ChunkRewriter(
-                self.transcript, prefill_of(body) or "", info.echoes_prefill if info else None
-            )
-            path = self.path
-            delivered = self.transcript.content or self.transcript.reasoning
-            handoff.replay = "text" if delivered else None
+        rewrite its chunks), or why it cannot take it. `slot`: the server's slot that
+        already holds most of it (a shadow prefill's)."""
+        path, body, rewriter, handoff.replay = await self.continuation(upstream)
         if handoff.replay and seeded_sampling(self.body):
             handoff.caveat = "the sampling seed starts over on the new server"
         if (no_room := await self._no_room(upstream, body)) is not None:
             return no_room
+        if slot is not None:
+            body.update(id_slot=slot, cache_prompt=True)
         return path, json.dumps(body).encode(), rewriter
+
+    async def continuation(
+        self, upstream: Upstream
+    ) -> tuple[str, dict[str, Any], Rewriter, str | None]:
+        """(path, body, chunk rewriter, how it replays) of the continuation as the answer
+        stands: from its token ids when `upstream` reads them the same way, else its text."""
+        native = await self._exact(upstream)
+        if native is not None:
+            body, rewriter = native
+            return "/completion", body, rewriter, "token ids"
+        body = continuation_body(self.body, self.transcript)
+        info = self._servers.get(upstream) if self._servers else None
+        rewriter = ChunkRewriter(
+            self.transcript, prefill_of(body) or "", info.echoes_prefill if info else None
+        )
+        delivered = self.transcript.content or self.transcript.reasoning
+        return self.path, body, rewriter, "text" if delivered else None
 
     async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
         """A native request that goes on from the delivered token ids, when the ids are
@@ -70,12 +78,23 @@ class NextLeg:
             return None
         if (ids := self.transcript.exact_ids()) is None:
             return None
-        if (prompt := await servers.render(upstream, self.body)) is None:
+        if (prompt := await self._rendered(upstream)) is None:
             return None
         body = native_body(self.body, prompt, ids, self.transcript.produced)
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
         return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    async def _rendered(self, upstream: Upstream) -> str | None:
+        """The chat prompt as `upstream` renders it: asked once per server (the messages
+        do not change while the answer streams)."""
+        if upstream.url not in self._prompts:
+            assert self._servers is not None
+            prompt = await self._servers.render(upstream, self.body)
+            if prompt is None:
+                return None
+            self._prompts[upstream.url] = prompt
+        return self._prompts[upstream.url]
 
     def fits_without_asking(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer surely fits on `upstream`, known without a

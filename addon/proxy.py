@@ -22,6 +22,7 @@ from addon.metrics import Metrics
 from addon.pace import add_pace_options, limits_from
 from addon.routing import Router
 from addon.servers import ServerDirectory, upper_bound
+from addon.shadow import Shadows, add_shadow_options
 from addon.splice import Splice
 from addon.status import assemble_status
 from addon.upstream import Upstream
@@ -82,6 +83,7 @@ class Spillover:
             self._requested_handoff, self.status, self.metrics.render, self._drain
         )
         self.credentials = Credentials()
+        self.shadows = Shadows(lambda url: self.credentials.question_headers(url))
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -105,6 +107,7 @@ class Spillover:
             "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
         add_pace_options(loader)
+        add_shadow_options(loader)
         loader.add_option(
             "spillover_health_s", int, 1,
             "Ask each server's /health this often (seconds); one that fails is down and gets "
@@ -122,6 +125,9 @@ class Spillover:
         add_access_options(loader)
 
     def configure(self, updated: set[str]) -> None:
+        if updated & {"spillover_shadow_max", "spillover_shadow_every"}:
+            self.shadows.slots.limit = ctx.options.spillover_shadow_max
+            self.shadows.slots.every = max(1, ctx.options.spillover_shadow_every)
         if "spillover_control_token" in updated:
             self.control.configure(ctx.options.spillover_control_token)
         if updated & {"spillover_server_keys", "spillover_forward_credentials"}:
@@ -160,6 +166,7 @@ class Spillover:
                 watch.cancel()
         for live in self.live.values():
             live.splice.cancel()
+        await self.shadows.close()
         await self.endpoint.stop()
         await self.servers.close()
 
@@ -167,12 +174,13 @@ class Spillover:
         while True:
             await asyncio.sleep(PACE_TICK_S)
             now = time.monotonic()
-            back = ctx.options.spillover_hand_back
+            back, shadow = ctx.options.spillover_hand_back, ctx.options.spillover_shadow
             for flow_id, live in list(self.live.items()):
                 try:
                     live.splice.check_pace(now)
                     if back and self.router.state(live.splice.primary.url)[0] == "ok":
                         live.splice.hand_back(ctx.options.spillover_hand_back_min_tokens)
+                    self.shadows.tick(flow_id, live.splice, shadow)
                 except Exception:
                     log.exception("pace check of %s failed", flow_id)
 
@@ -217,6 +225,7 @@ class Spillover:
             state_of=lambda url: self.router.state(url)[0],
             on_down=lambda server, why: self.router.mark_down(server.url, why),
             route_note=route_note,
+            slot_for=lambda server: self.shadows.slot_for(flow.id, server),
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
             on_exchange=(
@@ -271,9 +280,11 @@ class Spillover:
     def response(self, flow: http.HTTPFlow) -> None:
         self.live.pop(flow.id, None)
         self._sensed.pop(flow.id, None)
+        self.shadows.ended(flow.id)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._sensed.pop(flow.id, None)
+        self.shadows.ended(flow.id)
         live = self.live.pop(flow.id, None)
         if live is not None:
             self.endpoint.forget(live.token)
@@ -354,6 +365,8 @@ class Spillover:
         sensed = self._sensed.pop(flow.id, None)
         if sensed is not None and handoff.kind == "pressure" and handoff.pause_ms is None:
             handoff.sensed(sensed)
+        if handoff.pause_ms is None:
+            self.shadows.handed_off(flow.id)
         self.metrics.record(handoff)
         live = self.live.get(flow.id)
         if live is None:

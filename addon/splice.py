@@ -71,10 +71,12 @@ class Splice:
         state_of: Callable[[str], str] = lambda _: "ok",
         on_down: Callable[[Upstream, str], None] = lambda *_: None,
         route_note: str | None = None,
+        slot_for: Callable[[Upstream], int | None] = lambda _: None,
     ) -> None:
         """`primary`: the server the client addressed (the ladder may start elsewhere);
         `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
-        why the answer starts where it does, told to the client."""
+        why the answer starts where it does, told to the client; `slot_for`: a server's
+        slot that holds the answer already (a shadow prefill's, see shadow.py)."""
         self.path = path
         # post() sets these itself for each upstream.
         self.headers = [
@@ -113,6 +115,7 @@ class Splice:
         self._rungs = Ladder(self.ladder, state_of)
         self._on_down = on_down
         self._route_note = route_note
+        self._slot_for = slot_for
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
@@ -127,6 +130,15 @@ class Splice:
     @property
     def current(self) -> Upstream:
         return self._rungs.current
+
+    @property
+    def next_leg(self) -> NextLeg:
+        return self._next
+
+    def next_server(self) -> Upstream | None:
+        """Where an asked-for handoff would go first now, if anywhere."""
+        below = self._rungs.below()
+        return self.ladder[below[0]] if below and self.can_cut else None
 
     def handoff(
         self, reason: str, kind: str = "requested", targets: list[int] | None = None
@@ -288,7 +300,8 @@ class Splice:
             path, body, rewriter = self.path, self.raw_body, None
         else:
             try:
-                request = await self._next.request(upstream, self.handoffs[-1])
+                slot = self._slot_for(upstream)
+                request = await self._next.request(upstream, self.handoffs[-1], slot)
             except Exception as exc:  # one answer's odd shape must not end it unexplained
                 log.exception("cannot build the continuation for %s", upstream.url)
                 request = f"cannot build a continuation for {upstream.url}: {exc!r}"

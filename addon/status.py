@@ -14,6 +14,7 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
     for answer in live.values():
         answer.splice.transcript.settle()
     router, urls = spillover.router, spillover.server_urls()
+    shadows = spillover.shadows.by_answer
     return {
         "fallbacks": [u.url for u in spillover.fallbacks],
         "routing": {
@@ -35,8 +36,10 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
                 "server": answer.splice.current.url,
                 "tokens": answer.splice.transcript.produced,
                 "handoffs": len(answer.splice.handoffs),
+                "shadow": shadow.status() if (shadow := shadows.get(flow_id)) else None,
             }
             for flow_id, answer in live.items()
         ],
+        "shadows": spillover.shadows.slots.status(),
         **{name: part() for name, part in spillover.status_parts.items()},
     }

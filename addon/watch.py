@@ -68,6 +68,11 @@ class MemoryWatch:
             "New requests return to a server only once its cards have been clear this long.",
         )  # fmt: skip
         add(
+            "spillover_shadow_warn_mib", int, 4096,
+            "With spillover_shadow=near: shadow an answer while a sudden allocation of this "
+            "much or less would cross a line of its server's card.",
+        )  # fmt: skip
+        add(
             "spillover_cards", str, "",
             "Which cards each server uses, e.g. http://127.0.0.1:8081=nvml:0+nvml:1 "
             "(default: found from the server's process; needed for remote servers).",
@@ -125,6 +130,7 @@ class MemoryWatch:
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
         self.spillover.router.pressure = self.pressure_of
+        self.spillover.shadows.near = self.near_of
 
     def _stop(self) -> None:
         if self._udev is not None:
@@ -144,6 +150,14 @@ class MemoryWatch:
             return None
         cards = card_map.cards_of(server)
         return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
+
+    def near_of(self, server: str) -> bool:
+        """Whether a server's cards are near their lines (shadow prefill starts)."""
+        monitor, card_map = self.monitor, self.card_map
+        if monitor is None or card_map is None:
+            return False
+        cards = card_map.cards_of(server)
+        return monitor.near(cards, ctx.options.spillover_shadow_warn_mib)
 
     def _on_pressure(self, crossing: Crossing) -> None:
         """Runs on the monitor thread."""

@@ -81,13 +81,18 @@ class Preset:
     n_head: int
     n_ff: int
     seed: int
+    context: int = 8192
 
 
 PRESETS = {
     "primary": Preset(n_layer=4, n_embd=256, n_head=4, n_ff=512, seed=1234),
     "fallback": Preset(n_layer=2, n_embd=128, n_head=2, n_ff=256, seed=4321),
 }
-CONTEXT_LENGTH = 8192
+# For benchmarks only (not generated for the tests): wide and deep enough that reading a
+# prompt takes visible time on a CPU, with the same vocabulary and template.
+BENCH_PRESETS = {
+    "medium": Preset(n_layer=6, n_embd=384, n_head=6, n_ff=1024, seed=2468, context=16384),
+}
 
 
 def build_vocab() -> tuple[list[str], list[float], list[int], list[float]]:
@@ -156,7 +161,7 @@ def write_model(path: Path, preset: Preset) -> Path:
     tmp = path.with_suffix(".tmp")
     writer = GGUFWriter(str(tmp), "llama")
     writer.add_name(f"tiny-{path.stem}")
-    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_context_length(preset.context)
     writer.add_embedding_length(d)
     writer.add_block_count(preset.n_layer)
     writer.add_feed_forward_length(preset.n_ff)
@@ -208,14 +213,15 @@ def write_model(path: Path, preset: Preset) -> Path:
 
 def ensure_models(directory: Path) -> dict[str, Path]:
     """Write each preset's model into `directory` unless an identical one is there."""
-    paths = {}
-    for name, preset in PRESETS.items():
-        path = directory / f"{name}.gguf"
-        if not path.exists() or _fingerprint_of(path) != _expected_fingerprint(name):
-            write_model(path, preset)
-            _stamp(path).write_text(_expected_fingerprint(name))
-        paths[name] = path
-    return paths
+    return {name: ensure_model(directory, name, preset) for name, preset in PRESETS.items()}
+
+
+def ensure_model(directory: Path, name: str, preset: Preset) -> Path:
+    path = directory / f"{name}.gguf"
+    if not path.exists() or _fingerprint_of(path) != _expected_fingerprint(name):
+        write_model(path, preset)
+        _stamp(path).write_text(_expected_fingerprint(name))
+    return path
 
 
 def _stamp(path: Path) -> Path:

@@ -140,8 +140,9 @@ def assert_well_formed(result: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def bed(primary, fallback, server_logs):
     from scripts.mitm import Mitmdump
+    from tests.conftest import SHADOW_OFF
 
-    mitm = Mitmdump(primary.url, [fallback.url], log_dir=server_logs).start()
+    mitm = Mitmdump(primary.url, [fallback.url], log_dir=server_logs, options=SHADOW_OFF).start()
     mitm.servers_known()
     yield primary, fallback, mitm
     mitm.stop()

@@ -143,6 +143,19 @@ class MemoryMonitor:
                     return why
         return None
 
+    def near(self, cards: set[str], margin_mib: float) -> bool:
+        """Whether any of these cards is over a line, or a sudden allocation of at most
+        `margin_mib` would cross one."""
+        with self._lock:
+            for card in cards:
+                state = self.cards.get(card)
+                if state is None or state.last is None:
+                    continue
+                margin = self.lines.margin(state.last)
+                if not state.armed or margin is None or margin <= margin_mib:
+                    return True
+        return False
+
     def status(self) -> dict:
         with self._lock:
             return {

@@ -1,0 +1,198 @@
+"""Shadow prefill with real llama-servers: the next server's cache holds the answer so far,
+so a handoff computes only the last few tokens, says the same, and a shadow that fails
+or hangs changes nothing for the answer.
+
+The twins run the same model with --ubatch-size 32 (see test_exact_replay.py): a prefix
+computed in shadow updates and one computed at once then use the same kernels, so the
+continuation must be the same text either way."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scripts.memfiles import FakeCard
+from scripts.mitm import Mitmdump, watch_sysfs
+from tests.streams import RawStream, assert_one_clean_stream, read_stream
+from tests.test_exact_replay import SAME_BATCHES, wait_until_known
+from tests.test_splice import handoff, held
+
+CONTROL = httpx.Client(timeout=10)
+# The tests hold the primary while a shadow catches up, on a machine that may be busy.
+NO_STALLS = ["spillover_stall_s=0", "spillover_slow_percent=0", "spillover_health_s=0"]
+ANSWER = 300
+CUT = 120
+
+
+def long_body(max_tokens: int = ANSWER) -> dict:
+    """A prompt of about 1,500 tokens, so that reading it is real work."""
+    words = " ".join(f"river{i % 50} stone" for i in range(750))
+    return {
+        "messages": [{"role": "user", "content": f"Remember these words: {words}. Go on."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
+def live(proxy: Mitmdump) -> list[dict]:
+    return CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
+
+
+def wait_for_shadow(proxy: Mitmdump, produced: int, timeout: float = 60) -> dict:
+    """The live answer's shadow once its slot holds all but the last few tokens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answers = live(proxy)
+        shadow = answers[0]["shadow"] if answers else None
+        if shadow and shadow["covered_tokens"] > produced - 32:
+            return shadow
+        time.sleep(0.02)
+    raise AssertionError(f"the shadow never caught up: {live(proxy)}")
+
+
+def last_timings(stream: RawStream) -> dict:
+    return next(c["timings"] for c in reversed(stream.chunks) if "timings" in c)
+
+
+def cut_while_held(proxy: Mitmdump, primary, shadowed: bool) -> RawStream:
+    """Stream the long answer; after CUT chunks hold the primary, (with a shadow: wait
+    until it has caught up), hand off, release."""
+
+    def on_chunk(n: int) -> None:
+        if n == CUT:
+            with held(primary):
+                if shadowed:
+                    wait_for_shadow(proxy, live(proxy)[0]["tokens"])
+                handoff(proxy, reason="test")
+
+    stream = read_stream(proxy.url, long_body(), on_chunk=on_chunk)
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and "replayed as token ids" in stream.notes[0]
+    return stream
+
+
+@pytest.fixture(scope="module")
+def twins(start_server_module, start_proxy_module):
+    first = start_server_module("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    second = start_server_module("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    proxies = {
+        mode: start_proxy_module(
+            first.url, [second.url], options=[f"spillover_shadow={mode}", *NO_STALLS]
+        )
+        for mode in ("always", "off")
+    }
+    for proxy in proxies.values():
+        wait_until_known(proxy, [first.url, second.url])
+    return first, second, proxies
+
+
+def test_a_shadowed_handoff_reads_only_the_tail_and_says_the_same(twins) -> None:
+    first, _, proxies = twins
+    cold = cut_while_held(proxies["off"], first, shadowed=False)
+    warm = cut_while_held(proxies["always"], first, shadowed=True)
+    assert warm.text == cold.text  # the same continuation, shadow or not
+    cold_read, warm_read = last_timings(cold), last_timings(warm)
+    prompt = cold_read["prompt_n"] + cold_read.get("cache_n", 0)
+    assert prompt > 1500  # the whole prompt and answer so far...
+    assert warm_read["cache_n"] >= prompt - 40  # ...was in the shadow's slot already
+    assert warm_read["prompt_n"] <= 40  # only the tail was read at the handoff
+
+
+def test_shadow_slots_are_given_back(twins) -> None:
+    _, second, proxies = twins
+    proxy = proxies["always"]
+    stream = read_stream(proxy.url, long_body(200))
+    assert_one_clean_stream(stream)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        held_slots = CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"]["held"]
+        idle = all(not s["is_processing"] for s in CONTROL.get(f"{second.url}/slots").json())
+        if not held_slots and idle:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"slots still held: {held_slots}, fallback idle: {idle}")
+
+
+def test_a_hung_or_dead_shadow_target_changes_nothing(start_server, start_proxy) -> None:
+    """The fallback stops (SIGSTOP) under a shadow update, then dies: the answer on the
+    primary goes on as through a proxy that shadows nothing."""
+    primary = start_server("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    fallback = start_server("fallback", ctx_size=16384, slots=2)
+    plain = start_proxy(primary.url, [fallback.url], options=["spillover_shadow=off"])
+    proxy = start_proxy(primary.url, [fallback.url], options=["spillover_shadow=always"])
+    for each in (plain, proxy):
+        each.servers_known()
+    expected = read_stream(plain.url, long_body(600)).text
+
+    def on_chunk(n: int) -> None:
+        if n == 50:
+            with held(fallback):
+                time.sleep(0.5)  # the primary streams on meanwhile
+        if n == 300:
+            fallback.stop()
+
+    stream = read_stream(proxy.url, long_body(600), on_chunk=on_chunk)
+    assert_one_clean_stream(stream)
+    assert stream.notes == [] and stream.text == expected
+
+
+def test_a_server_that_does_not_list_its_slots_is_not_shadowed(start_server, start_proxy) -> None:
+    primary = start_server("primary", ctx_size=16384, slots=2)
+    fallback = start_server("fallback", ctx_size=16384, slots=2, extra_args=["--no-slots"])
+    proxy = start_proxy(
+        primary.url, [fallback.url], options=["spillover_shadow=always", *NO_STALLS]
+    )
+    proxy.servers_known()
+
+    def on_chunk(n: int) -> None:
+        if n == 30:
+            with held(primary):
+                deadline = time.monotonic() + 5
+                while not CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"][
+                    "not_shadowed"
+                ]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                handoff(proxy, reason="test")
+
+    stream = read_stream(proxy.url, long_body(200), on_chunk=on_chunk)
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and sum(stream.segment_tokens) == 200
+    why = CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"]["not_shadowed"]
+    assert "its slots cannot be listed (HTTP" in why[fallback.url]
+
+
+def test_near_a_line_shadows_and_clear_of_it_stops(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    primary = start_server("primary", ctx_size=16384, slots=2)
+    fallback = start_server("fallback", ctx_size=16384, slots=2)
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)  # 6,384 free: near
+    FakeCard(sysfs, "card1", total_mib=16384, used_mib=1000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    options = [*watch_sysfs(sysfs, on), "spillover_shadow=near", *NO_STALLS]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    proxy.servers_known()
+    seen: dict[str, dict] = {}
+
+    def on_chunk(n: int) -> None:
+        if n == 30:
+            with held(primary):
+                seen["near"] = wait_for_shadow(proxy, live(proxy)[0]["tokens"])
+                card0.set_used(1000)  # 15 GiB free: far from every line
+                deadline = time.monotonic() + 5
+                while (shadow := live(proxy)[0]["shadow"])["ended"] is None:
+                    assert time.monotonic() < deadline, shadow
+                    time.sleep(0.02)
+                seen["far"] = shadow
+
+    stream = read_stream(proxy.url, long_body(400), on_chunk=on_chunk)
+    assert_one_clean_stream(stream)
+    assert stream.notes == []
+    assert seen["near"]["server"] == fallback.url
+    assert seen["far"]["ended"] == "no longer wanted there"
