@@ -369,11 +369,12 @@ def test_client_disconnect_cancels_the_legs(start_server, start_proxy, after_han
 
 
 def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
-    # 1,024-token slots: the rest of every answer surely fits on the fallback, so each is
-    # cut the moment it is asked (a room check would let the held primary's buffered
-    # tokens finish some answers first).
-    primary = start_server("primary", slots=16, ctx_size=16384)
-    fallback = start_server("fallback", slots=16, ctx_size=16384)
+    # 2,048-token slots: the rest of every answer surely fits on the fallback, by a bound
+    # from its size in bytes however far the primary ran ahead, so each is cut the moment
+    # it is asked (a room check would let the held primary's buffered tokens finish some
+    # answers first; with 1,024-token slots a loaded machine saw 6 of 16 cut).
+    primary = start_server("primary", slots=16, ctx_size=32768)
+    fallback = start_server("fallback", slots=16, ctx_size=32768)
     proxy = start_proxy(primary.url, [fallback.url])
     streams = [RawStream() for _ in range(16)]
     ready = threading.Barrier(17)
