@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -13,6 +12,7 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from addon.carried import arrives_in_pieces, recorded, spliceable_body
 from addon.control import CONTROL_PREFIX, Control, add_access_options
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
@@ -28,35 +28,8 @@ from addon.status import assemble_status
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
-# Spliced routes, and the field that holds what the answer continues from.
-SPLICED = {
-    "/v1/chat/completions": "messages",
-    "/chat/completions": "messages",
-    "/v1/completions": "prompt",
-    "/completions": "prompt",
-}
 PACE_TICK_S = 0.25  # how often live legs are checked for stalls and slowdowns
 MARK = ":twisted_rightwards_arrows:"
-
-
-def spliceable_body(request: http.Request) -> dict[str, Any] | None:
-    """The parsed body of a chat or text completion this addon can carry, else None."""
-    field = SPLICED.get(request.path.split("?")[0])
-    if request.method != "POST" or field is None:
-        return None
-    try:
-        body = json.loads(request.content or b"")
-    except ValueError:
-        return None  # the primary answers malformed JSON with its own clear 400
-    if not isinstance(body, dict):
-        return None
-    if not isinstance(body.get(field), list if field == "messages" else str):
-        return None  # malformed, or token-id prompts: passed through as they are
-    if field == "messages" and not all(isinstance(m, dict) for m in body["messages"]):
-        return None  # malformed: the primary answers with its own error
-    if body.get("n", 1) != 1:
-        return None  # several choices per answer are not spliced: passed through as they are
-    return body
 
 
 @dataclass
@@ -200,7 +173,7 @@ class Spillover:
         return targets
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.error is not None or _recorded(flow):
+        if flow.response is not None or flow.error is not None or recorded(flow):
             return  # answered already: a flow read from a file (-r), or another addon's
         if flow.request.path.startswith(CONTROL_PREFIX) and self.control.admits(flow):
             await self.control.answer(flow)
@@ -403,20 +376,6 @@ class Spillover:
         return assemble_status(self)
 
 
-def arrives_in_pieces(response: http.Response) -> bool:
-    """An event stream, NDJSON or any chunked body: the client reads it as it comes
-    (llama-server's native /completion stream, Ollama-style NDJSON), so mitmproxy must
-    not hold it back until the end."""
-    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
-    return chunked or kind in ("text/event-stream", "application/x-ndjson")
-
-
 def _log_failed_move(move: asyncio.Future[bool]) -> None:
     if not move.cancelled() and (exc := move.exception()) is not None:
         log.error("a handoff could not be carried out; the answer stays", exc_info=exc)
-
-
-def _recorded(flow: http.HTTPFlow) -> bool:
-    """A flow this addon made or carried before, read back from a recording."""
-    return "spillover" in flow.metadata or "spillover_exchange" in flow.metadata

@@ -20,7 +20,6 @@ from addon import sse
 from addon.continuation import (
     Transcript,
     cannot_continue,
-    take_pieces,
     token_limit,
 )
 from addon.credentials import Credentials, redacted
@@ -35,21 +34,14 @@ from addon.handoff import Handoff
 from addon.ladder import Ladder
 from addon.nextleg import NextLeg
 from addon.pace import Pace, PaceLimits
+from addon.pump import Pump
 from addon.servers import ServerDirectory
-from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
-from addon.wire import ClientStream, Header, error_event, error_text, forwardable, passed_back
+from addon.wire import ClientStream, Header, error_event, forwardable, passed_back
 
 SEP = sse.TERMINATOR
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 log = logging.getLogger(__name__)
-
-
-def _ends_answer(chunk: dict[str, Any]) -> bool:
-    choices = chunk.get("choices")
-    if not choices:
-        return bool(chunk.get("usage"))
-    return any(choice.get("finish_reason") is not None for choice in choices)
 
 
 class Splice:
@@ -381,93 +373,22 @@ class Splice:
                 client.write(b"".join(self._queued))
                 self._queued.clear()
             self.transcript.begin_leg(upstream.url)
-            return await self._pump(client, response.body(), upstream, rewriter)
+            pump = Pump(
+                client, self.transcript, rewriter, self._strip_pieces, self._pace,
+                flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
+            )  # fmt: skip
+            failure = await pump.run(response.body(), upstream.url)
+            if failure is not None and pump.closed:
+                self._on_down(upstream, "closed the stream mid-answer")
+            return failure
         except UpstreamError as exc:
             self._on_down(upstream, str(exc))
             return str(exc)
         finally:
             response.close()
 
-    async def _pump(self, client, body, upstream: Upstream, rewriter) -> str | None:
-        splitter = sse.EventSplitter()
-        calls = ToolCallHold()  # a new leg starts with no call pieces: cut ones are dropped
-        held: list[bytes] = []
-        transcript = self.transcript
-        # Chunks carrying ids the client did not ask for are read, to take the ids out.
-        fast = not self._strip_pieces
-        pace = self._pace
-        async for data in body:
-            if pace is not None:
-                pace.saw(time.monotonic(), data.count(SEP))
-            try:
-                block = splitter.feed(data)
-            except sse.EventTooLarge as exc:
-                return f"garbled stream from {upstream.url}: {exc}"
-            if not block:
-                continue
-            if rewriter is None and not held and fast and sse.only_plain_chunks(block):
-                # The hot path: ordinary tokens from the first leg, forwarded unread.
-                client.write(block)
-                transcript.record_raw(block)
-                await client.drain()
-                continue
-            transcript.settle()
-            out: list[bytes] = []
-            for event in sse.events(block):
-                if sse.is_comment(event):
-                    out.append(event + SEP)
-                    continue
-                if sse.is_done(event):
-                    client.end(b"".join(out) + b"".join(held) + sse.DONE + SEP)
-                    return None
-                try:
-                    chunk = sse.parse(event)
-                    if not isinstance(chunk, dict):
-                        raise ValueError("not a JSON object")
-                except ValueError as exc:
-                    self._flush(client, out)
-                    return f"garbled event from {upstream.url}: {exc}"
-                if "error" in chunk:
-                    self._flush(client, out)
-                    return f"in-band error from {upstream.url}: {error_text(chunk['error'])}"
-                changed = rewriter is not None
-                if rewriter is not None:
-                    chunk = rewriter.rewrite(chunk)
-                    if chunk is None:
-                        continue
-                pieces = None
-                if self._strip_pieces and (changed or b'"logprobs"' in event):
-                    pieces = take_pieces(chunk, strip=True)
-                    changed = True
-                if changed:
-                    event = sse.encode(chunk)
-                if b'"tool_calls"' in event:
-                    envelope = {k: v for k, v in chunk.items() if k != "choices"}
-                    chunk, ready = calls.split(chunk)
-                    if ready:
-                        whole = calls_chunk(envelope, ready)
-                        out.append(sse.encode(whole) + SEP)
-                        transcript.record(whole)
-                    if chunk is None:
-                        continue
-                    event = sse.encode(chunk)
-                if held or _ends_answer(chunk):
-                    self._finishing = True
-                    if ready := calls.flush():
-                        held.append(sse.encode(calls_chunk(chunk, ready)) + SEP)
-                    held.append(event + SEP)
-                    continue
-                out.append(event + SEP)
-                transcript.record(chunk, pieces)
-            if out:
-                self._flush(client, out)
-                await client.drain()
-        if held:
-            # The server finished its answer and died before [DONE]: the answer is whole.
-            client.end(b"".join(held) + sse.DONE + SEP)
-            return None
-        self._on_down(upstream, "closed the stream mid-answer")
-        return f"{upstream.url} closed the stream mid-answer"
+    def _mark_finishing(self) -> None:
+        self._finishing = True
 
     def _flush(self, client: ClientStream, out: list[bytes]) -> None:
         if not out:
