@@ -217,6 +217,17 @@ def first_token(primary: LlamaServer, fallback: LlamaServer, repeats: int, work:
         print(f"{name:16} {median:10.2f} {median - direct:+12.2f}")
 
 
+def usable_again(proxy: Mitmdump, url: str, timeout: float = 10) -> None:
+    """A restarted server is down to the addon until its /health answers again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = httpx.get(f"{proxy.url}/spillover/status").json()["routing"]["states"]
+        if states[url]["state"] == "ok":
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} never came back")
+
+
 def pauses(quick: bool, work: Path) -> None:
     models = ensure_models(work / "models")
     control = httpx.Client()
@@ -237,6 +248,7 @@ def pauses(quick: bool, work: Path) -> None:
                 for _ in range(repeats):
                     fallback.stop()  # a fresh fallback process: nothing in its prompt cache
                     fallback.start()
+                    usable_again(proxy, fallback.url)
                     cold.append(handoff_pause(proxy, control))
                 warm = [handoff_pause(proxy, control) for _ in range(repeats)]  # cached
             results[f"cold, {replay}"], results[f"warm, {replay}"] = cold, warm
