@@ -369,19 +369,20 @@ def test_client_disconnect_cancels_the_legs(start_server, start_proxy, after_han
 
 
 def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
-    # 2,048-token slots: the rest of every answer surely fits on the fallback, by a bound
+    # 4,096-token slots: the rest of every answer surely fits on the fallback, by a bound
     # from its size in bytes however far the primary ran ahead, so each is cut the moment
     # it is asked (a room check would let the held primary's buffered tokens finish some
-    # answers first; with 1,024-token slots a loaded machine saw 6 of 16 cut).
-    primary = start_server("primary", slots=16, ctx_size=32768)
-    fallback = start_server("fallback", slots=16, ctx_size=32768)
+    # answers first; with 1,024-token slots a loaded machine saw 6 of 16 cut). Answers of
+    # 1,000 tokens: with 300, one could end while the last stream reached the barrier.
+    primary = start_server("primary", slots=16, ctx_size=65536)
+    fallback = start_server("fallback", slots=16, ctx_size=65536)
     proxy = start_proxy(primary.url, [fallback.url])
     streams = [RawStream() for _ in range(16)]
     ready = threading.Barrier(17)
 
     def read(stream: RawStream) -> None:
         with httpx.stream(
-            "POST", f"{proxy.url}/v1/chat/completions", json=chat_body(300), timeout=120
+            "POST", f"{proxy.url}/v1/chat/completions", json=chat_body(1000), timeout=120
         ) as r:
             stream.status = r.status_code
             waited = False
@@ -402,7 +403,7 @@ def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
     for stream in streams:
         assert_one_clean_stream(stream)
         assert len(stream.notes) == 1
-        assert_splice_up_to_ties(stream, primary.url, fallback.url, 300)
+        assert_splice_up_to_ties(stream, primary.url, fallback.url, 1000)
 
 
 def test_recording_keeps_the_stitched_answer(
