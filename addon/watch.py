@@ -145,19 +145,24 @@ class MemoryWatch:
 
     def pressure_of(self, server: str) -> str | None:
         """Why a server's cards are not fit for new work now, or None."""
-        monitor, card_map = self.monitor, self.card_map
-        if monitor is None or card_map is None:
+        if (watched := self._watched(server)) is None:
             return None
-        cards = card_map.cards_of(server)
+        monitor, cards = watched
         return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
 
     def near_of(self, server: str) -> bool:
         """Whether a server's cards are near their lines (shadow prefill starts)."""
+        if (watched := self._watched(server)) is None:
+            return False
+        monitor, cards = watched
+        return monitor.near(cards, ctx.options.spillover_shadow_warn_mib)
+
+    def _watched(self, server: str) -> tuple[MemoryMonitor, set[str]] | None:
+        """The running monitor and the server's cards, or None while nothing is watched."""
         monitor, card_map = self.monitor, self.card_map
         if monitor is None or card_map is None:
-            return False
-        cards = card_map.cards_of(server)
-        return monitor.near(cards, ctx.options.spillover_shadow_warn_mib)
+            return None
+        return monitor, card_map.cards_of(server)
 
     def _on_pressure(self, crossing: Crossing) -> None:
         """Runs on the monitor thread."""

@@ -114,7 +114,7 @@ class MemoryMonitor:
         states = self.cards.values()
         if any(s.suspect is not None for s in states):
             return CONFIRM_S
-        if any(s.last is None or _near(self.lines.margin(s.last)) for s in states):
+        if any(s.last is None or s.within(self.lines, NEAR_MIB) for s in states):
             return self.interval
         return self.interval * SLOW_FACTOR
 
@@ -151,8 +151,7 @@ class MemoryMonitor:
                 state = self.cards.get(card)
                 if state is None or state.last is None:
                     continue
-                margin = self.lines.margin(state.last)
-                if not state.armed or margin is None or margin <= margin_mib:
+                if not state.armed or state.within(self.lines, margin_mib):
                     return True
         return False
 
@@ -178,10 +177,6 @@ class MemoryMonitor:
                     for card, s in self.cards.items()
                 },
             }
-
-
-def _near(margin: float | None) -> bool:
-    return margin is None or margin <= NEAR_MIB
 
 
 class _Wakeup:

@@ -126,6 +126,13 @@ class CardState:
         self.history.append((reading.time, reading.used_mib))
         return None
 
+    def within(self, lines: Lines, margin_mib: float) -> bool:
+        """Whether a sudden allocation of at most `margin_mib` would cross a line (or the
+        card's total is unknown, so any step could); needs a reading."""
+        assert self.last is not None
+        margin = lines.margin(self.last)
+        return margin is None or margin <= margin_mib
+
     def pressed(self, now: float, dwell_s: float) -> str | None:
         """Why the card is not yet fit for new work: over a line (fired, not re-armed),
         or re-armed less than `dwell_s` ago. None when it is clear."""
