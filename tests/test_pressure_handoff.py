@@ -69,7 +69,8 @@ def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> 
     1,000 MiB of real memory with the free-memory line 400 MiB below what was free. The
     answer is long (larger slots) so the primary is still writing when the line is crossed
     (filling 1,000 MiB takes a while). The fallback stands for a server elsewhere (its card
-    is named, and this machine does not read it): one in the same RAM would be passed over,
+    is named, by a name no memory source uses, so even a machine with eight NVIDIA cards
+    reads nothing for it): one in the same RAM would be passed over,
     as a handoff never goes onto the memory under pressure."""
     primary = start_server("primary", ctx_size=8192, slots=2)
     fallback = start_server("fallback", ctx_size=8192, slots=2)
@@ -80,7 +81,7 @@ def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> 
         options=[
             "spillover_sources=meminfo",
             f"spillover_free_floor_mib={floor}",
-            f"spillover_cards={fallback.url}=nvml:7",
+            f"spillover_cards={fallback.url}=elsewhere:0",
         ],
     )
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
