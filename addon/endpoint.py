@@ -1,9 +1,11 @@
 """The splice endpoint: a loopback HTTP server inside mitmproxy's own event loop.
 
 mitmproxy cannot feed an open response from an addon, so spliced flows are re-pointed
-here. Each request carries a token naming its `Splice`; the endpoint runs it and writes
-its one chunked response back to mitmproxy, which streams it to the client. Owning the
-response lets the answer go on from another server after the first one is dropped.
+here. Each request carries a token naming its `Splice`; the endpoint writes its one
+chunked response back to mitmproxy, which streams it to the client. Owning the response
+lets the answer go on from another server after the first one is dropped. A splice
+starts when it is expected, not when mitmproxy's request arrives: its first leg is under
+way while mitmproxy finishes the flow's hooks and connects here.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import h11
 
 from addon.splice import SEP, Splice
-from addon.wire import Header, error_event
+from addon.wire import ClientStream, Header, error_event
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)
@@ -69,10 +73,60 @@ class HttpClientStream:
         await self._writer.drain()
 
 
+class HeldClient:
+    """What a splice writes before the endpoint's connection for it arrives, passed on to
+    that connection once it does, and straight through from then on."""
+
+    def __init__(self) -> None:
+        self._target: ClientStream | None = None
+        self._held: list[Callable[[ClientStream], None]] = []
+        self.started = False
+        self.ended = False
+
+    def attach(self, target: ClientStream) -> None:
+        self._target = target
+        for operation in self._held:
+            operation(target)
+        self._held.clear()
+
+    def _do(self, operation: Callable[[ClientStream], None]) -> None:
+        if self._target is None:
+            self._held.append(operation)
+        else:
+            operation(self._target)
+
+    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
+        self.started = True
+        self._do(lambda target: target.start(status, headers, reason))
+
+    def write(self, data: bytes) -> None:
+        self._do(lambda target: target.write(data))
+
+    def end(self, last: bytes = b"") -> None:
+        if not self.ended:
+            self.ended = True
+            self._do(lambda target: target.end(last))
+
+    def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
+        self.started = self.ended = True
+        self._do(lambda target: target.respond(status, headers, body, reason))
+
+    async def drain(self) -> None:
+        if self._target is not None:
+            await self._target.drain()
+
+
+@dataclass
+class _Started:
+    splice: Splice
+    client: HeldClient
+    run: asyncio.Future[None]
+
+
 class SpliceEndpoint:
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
-        self._waiting: dict[str, Splice] = {}
+        self._waiting: dict[str, _Started] = {}
         self.port = 0
 
     async def start(self) -> None:
@@ -89,13 +143,23 @@ class SpliceEndpoint:
         return self._server is not None
 
     def expect(self, splice: Splice) -> str:
-        """Register a splice; the returned token goes in the re-pointed request."""
+        """Start a splice; the returned token goes in the re-pointed request, whose
+        connection gets what the splice writes."""
         token = secrets.token_hex(16)
-        self._waiting[token] = splice
+        client = HeldClient()
+        run = asyncio.ensure_future(splice.run(client))
+        run.add_done_callback(_log_failure)
+        self._waiting[token] = _Started(splice, client, run)
         return token
 
-    def forget(self, token: str) -> None:
-        self._waiting.pop(token, None)
+    def forget(self, token: str) -> bool:
+        """Stop a splice whose request never arrived (its flow ended before: killed, or
+        answered by another addon); False if it had arrived."""
+        started = self._waiting.pop(token, None)
+        if started is None:
+            return False
+        started.splice.cancel()
+        return True
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER)
@@ -105,12 +169,13 @@ class SpliceEndpoint:
                 if request is None:
                     return
                 token = dict(request.headers).get(TOKEN_HEADER.encode(), b"").decode()
-                splice = self._waiting.pop(token, None)
+                started = self._waiting.pop(token, None)
                 client = HttpClientStream(conn, writer)
-                if splice is None:
+                if started is None:
                     client.respond(502, [(b"content-type", b"text/plain")], b"unknown splice\n")
                 else:
-                    await _run_until_client_leaves(splice, client, reader)
+                    started.client.attach(client)
+                    await _run_until_client_leaves(started.splice, started.run, client, reader)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()
@@ -143,11 +208,19 @@ async def _next_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h
             return None
 
 
+def _log_failure(run: asyncio.Future[None]) -> None:
+    if not run.cancelled() and (exc := run.exception()) is not None:
+        log.debug("splice ended by %r", exc)  # told to the client where it has one
+
+
 async def _run_until_client_leaves(
-    splice: Splice, client: HttpClientStream, reader: asyncio.StreamReader
+    splice: Splice,
+    run: asyncio.Future[None],
+    client: HttpClientStream,
+    reader: asyncio.StreamReader,
 ) -> None:
-    """Run the splice; if mitmproxy closes this connection (the client left), cancel it."""
-    run = asyncio.ensure_future(splice.run(client))
+    """Wait for the splice; if mitmproxy closes this connection (the client left), cancel
+    it."""
     gone = asyncio.ensure_future(reader.read(1))
     try:
         await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)

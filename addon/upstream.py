@@ -188,10 +188,10 @@ async def post(
 ) -> Response:
     """Send a POST and wait for the response head."""
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(upstream.host, upstream.port, ssl=upstream.tls or None),
-            connect_timeout,
-        )
+        async with asyncio.timeout(connect_timeout):  # no task of its own, as wait_for makes
+            reader, writer = await asyncio.open_connection(
+                upstream.host, upstream.port, ssl=upstream.tls or None
+            )
     except (OSError, TimeoutError) as exc:
         raise UpstreamError(f"cannot connect to {upstream.url}: {exc!r}") from exc
     conn = h11.Connection(h11.CLIENT)

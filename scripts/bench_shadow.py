@@ -32,14 +32,15 @@ import httpx
 from scripts.llamaserver import LlamaServer
 from scripts.mitm import Mitmdump
 from scripts.processes import running
-from scripts.tinymodels import BENCH_PRESETS, ensure_model
+from scripts.tinymodels import BENCH_PRESETS, PRESETS, ensure_model
 
 CONTROL = httpx.Client(timeout=60)
 CONTEXTS = (512, 2048, 7000)
 ANSWER = 1500  # long enough that the answer still streams when a 7,000-token shadow caught up
 CUT = 48  # chunks before the handoff is asked for (once the shadow has caught up)
 SETUPS = {"no shadow": ["spillover_shadow=off"]} | {
-    f"shadow every {n}": ["spillover_shadow=always", f"spillover_shadow_every={n}"] for n in (32, 8)
+    f"shadow every {n}": ["spillover_shadow=always", f"spillover_shadow_every={n}"]
+    for n in (32, 8, 1)
 }
 QUIET = ["spillover_stall_s=0", "spillover_slow_percent=0", "spillover_health_s=0"]
 
@@ -180,22 +181,25 @@ def other_client_rate(fallback: LlamaServer, proxy: Mitmdump | None, text: str) 
     return result[0]
 
 
-def throughput(primary: LlamaServer, fallback: LlamaServer, work: Path) -> None:
+def throughput(primary: LlamaServer, fallback: LlamaServer, work: Path) -> dict[str, float]:
     """Another client's rate on the fallback: alone, beside an answer streaming through a
     proxy that does not shadow (the same load on this machine's two cores), and beside one
     that is shadowed on the fallback."""
     text = prompt_of(2048, primary)
     rates = {"alone": other_client_rate(fallback, None, text)}
-    for name in ("no shadow", "shadow every 32", "shadow every 8"):
+    for name in SETUPS:
         options = [*SETUPS[name], *QUIET]
         proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)
         with running(proxy):
             proxy.servers_known()
             rates[f"beside an answer, {name}"] = other_client_rate(fallback, proxy, text)
-    base = rates["beside an answer, no shadow"]
-    print("\nanother client streaming on the fallback (tokens/s):")
-    for name, rate in rates.items():
-        print(f"  {name:34} {rate:8,.0f}  {rate / base:5.2f}x of no shadow")
+    return rates
+
+
+def fallback_server(model: Path, context: int, work: Path) -> LlamaServer:
+    # --slot-save-path only so that its slots can be erased between runs.
+    extra = ["--slot-save-path", str(work)]
+    return LlamaServer(model, ctx_size=2 * context, slots=2, log_dir=work, extra_args=extra)
 
 
 def main() -> None:
@@ -204,18 +208,27 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "pauses", "throughput"), default="all")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="spillover-bench-shadow-"))
-    model = ensure_model(Path("models"), "medium", BENCH_PRESETS["medium"])
-    slots = 2 * (max(CONTEXTS) + ANSWER + 600)
-    primary = LlamaServer(model, ctx_size=slots, slots=2, log_dir=work)
-    # --slot-save-path only so that its slots can be erased between runs.
-    fallback = LlamaServer(
-        model, ctx_size=slots, slots=2, log_dir=work, extra_args=["--slot-save-path", str(work)]
-    )
-    with running(primary, fallback):
+    medium = ensure_model(Path("models"), "medium", BENCH_PRESETS["medium"])
+    smaller = ensure_model(Path("models"), "primary", PRESETS["primary"])
+    context = max(CONTEXTS) + ANSWER + 600
+    primary = LlamaServer(medium, ctx_size=2 * context, slots=2, log_dir=work)
+    with running(primary):
         if args.part in ("all", "pauses"):
-            pauses(primary, fallback, 1 if args.quick else 3, work)
+            with running(fallback := fallback_server(medium, context, work)):
+                pauses(primary, fallback, 1 if args.quick else 3, work)
         if args.part in ("all", "throughput"):
-            throughput(primary, fallback, work)
+            pairs = {}
+            for name, model in (("same model", medium), ("4 x 256 fallback", smaller)):
+                with running(fallback := fallback_server(model, 2048 + ANSWER + 600, work)):
+                    pairs[name] = throughput(primary, fallback, work)
+            print("\nanother client streaming on the fallback (tokens/s), 6 x 384 primary:")
+            print(f"  {'':34}" + "".join(f"{name:>24}" for name in pairs))
+            for row in next(iter(pairs.values())):
+                cells = []
+                for rates in pairs.values():
+                    rate, base = rates[row], rates["beside an answer, no shadow"]
+                    cells.append(f"{rate:12,.0f} {rate / base:5.2f}x")
+                print(f"  {row:34}" + "".join(f"{c:>24}" for c in cells))
 
 
 if __name__ == "__main__":

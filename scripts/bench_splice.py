@@ -187,34 +187,56 @@ def handoff_pause(proxy: Mitmdump, control: httpx.Client, cut: int = 100) -> tup
     return (first_after - note_at) * 1000, prompt_ms
 
 
-def first_token_ms(url: str) -> float:
+def first_token_ms(client: httpx.Client, url: str) -> float:
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}
     start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+    first = None
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+        # Read to the end, as a client does: one left unread would close the connection.
         for line in r.iter_lines():
-            if line.startswith("data: {") and '"content"' in line:
-                return (time.perf_counter() - start) * 1000
-    raise RuntimeError(f"no token from {url}")
+            if first is None and line.startswith("data: {") and '"content"' in line:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"no token from {url}")
+    return (first - start) * 1000
 
 
-def first_token(primary: LlamaServer, fallback: LlamaServer, repeats: int, work: Path) -> None:
-    """Median time to the first token, direct and through each proxy, interleaved."""
-    plain = Mitmdump(primary.url, addon=False, log_dir=work)
-    addon = Mitmdump(primary.url, [fallback.url], log_dir=work)
+def first_token(target: str, fallback: str, repeats: int, work: Path) -> dict[str, float]:
+    """Median time to the first token from `target`, direct and through each proxy
+    (interleaved): by route."""
+    plain = Mitmdump(target, addon=False, log_dir=work)
+    addon = Mitmdump(target, [fallback], log_dir=work)
     with running(plain, addon):
         wait_for_tokenizers(addon)
-        urls = {"direct": primary.url, "plain mitmdump": plain.url, "addon": addon.url}
-        for url in urls.values():
-            first_token_ms(url)  # warm up: connections, the prompt cache
+        urls = {"direct": target, "plain mitmdump": plain.url, "addon": addon.url}
+        # One kept-alive client per route, as an SDK client is: making an httpx client
+        # (its TLS context) costs tens of milliseconds, which timed the client, not the path.
+        clients = {name: httpx.Client() for name in urls}
+        for name, url in urls.items():
+            first_token_ms(clients[name], url)  # warm up: connections, the prompt cache
         samples: dict[str, list[float]] = {name: [] for name in urls}
         for _ in range(repeats):
             for name, url in urls.items():
-                samples[name].append(first_token_ms(url))
-    direct = statistics.median(samples["direct"])
-    print(f"\n{'first token':16} {'median ms':>10} {'over direct':>12}")
-    for name, values in samples.items():
-        median = statistics.median(values)
-        print(f"{name:16} {median:10.2f} {median - direct:+12.2f}")
+                samples[name].append(first_token_ms(clients[name], url))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def first_tokens(llama: tuple[LlamaServer, LlamaServer], repeats: int, work: Path) -> None:
+    """The first token from the stand-in (the proxies' own time) and from llama-server
+    (theirs with llama-server's on the same cores)."""
+    source = SseSource(log_dir=work)
+    with running(source):
+        stand_in = first_token(source.url, source.url, repeats, work)
+    real = first_token(llama[0].url, llama[1].url, repeats, work)
+    columns = ("stand-in", "over direct", "llama-server", "over direct")
+    print(f"\n{'first token, ms':16}" + "".join(f"{c:>14}" for c in columns))
+    for name in stand_in:
+        a, b = stand_in[name], real[name]
+        cells = (a, a - stand_in["direct"], b, b - real["direct"])
+        print(f"{name:16}" + "".join(f"{c:14.2f}" for c in cells))
+    for medians, where in ((stand_in, "stand-in"), (real, "llama-server")):
+        share = medians["addon"] - medians["plain mitmdump"]
+        print(f"addon over plain mitmdump ({where}): {share:+.2f} ms")
 
 
 def usable_again(proxy: Mitmdump, url: str, timeout: float = 10) -> None:
@@ -238,7 +260,7 @@ def pauses(quick: bool, work: Path) -> None:
     fallback = LlamaServer(models["fallback"], ctx_size=16384, log_dir=work)
     results = {}
     with running(primary, fallback):
-        first_token(primary, fallback, 10 if quick else 30, work)
+        first_tokens((primary, fallback), 30 if quick else 100, work)
         for replay, exact in (("token ids", "true"), ("text", "false")):
             options = [f"spillover_exact_replay={exact}"]
             proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)
