@@ -40,8 +40,11 @@ class Mitmdump(ManagedProcess):
         options: Sequence[str] = (),
         port: int | None = None,
         log_dir: Path | None = None,
+        scripts: Sequence[Path] = (),
     ) -> None:
+        """`scripts`: more addon scripts, loaded after the spillover addon."""
         super().__init__(port, log_dir)
+        self.scripts = list(scripts)
         self.primary = primary
         self.fallbacks = list(fallbacks)
         self.addon = addon
@@ -71,6 +74,8 @@ class Mitmdump(ManagedProcess):
             argv += ["-s", str(ADDON), "--set", f"spillover_fallbacks={','.join(self.fallbacks)}"]
         else:
             argv += ["--set", "stream_large_bodies=1", "--set", "connection_strategy=lazy"]
+        for script in self.scripts:
+            argv += ["-s", str(script)]
         for option in self.options:
             argv += ["--set", option]
         return argv
