@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from addon.splice import Splice
 
 log = logging.getLogger(__name__)
-POLL_S = 0.05
+POLL_S = 0.01  # how soon a shadow sees new tokens
 SLOTS_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 300.0  # the first update reads the whole prompt
 GIVE_UP_AFTER = 3

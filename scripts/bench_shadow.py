@@ -6,16 +6,18 @@ the continuation replays token ids. Side by side in one run, at prompts of about
 2,048 and 7,000 tokens:
 
 - the pause a client sees at a handoff (note -> first fallback text) with no shadow and
-  with shadows updated every 32 and every 8 tokens, next to one decode step of the
+  with shadows updated every 32, 8 and 1 tokens, next to one decode step of the
   fallback; the tokens the fallback read at the handoff, and the extra tokens the shadow
   made it read over the answer;
 - the fallback's throughput for another client streaming on it, with and without a
-  shadowed answer beside it.
+  shadowed answer beside it, for a fallback running the same model and one running a
+  smaller (4 x 256) model.
 
-Each handoff comes while the primary streams on (it is not held). The fallback's cache is
-erased before each run, so "no shadow" is a cold prefill.
+Each handoff comes while the primary streams on (it is not held), once the shadow is in
+its steady state. The fallback's cache is erased before each run, so "no shadow" is a
+cold prefill.
 
-    .venv/bin/python -m scripts.bench_shadow [--quick]
+    .venv/bin/python -m scripts.bench_shadow [--quick] [--part pauses|throughput]
 """
 
 from __future__ import annotations
@@ -76,16 +78,14 @@ def erase(server: LlamaServer) -> None:
         CONTROL.post(f"{server.url}/slots/{slot['id']}?action=erase").raise_for_status()
 
 
-def caught_up(proxy: Mitmdump, every: int, timeout: float = 120) -> None:
+def caught_up(proxy: Mitmdump, timeout: float = 120) -> None:
+    """Wait for the shadow's steady state: its first update read the prompt, the second
+    what was written meanwhile, from the third on it follows the answer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         live = CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
         shadow = live[0]["shadow"] if live else None
-        if (
-            shadow
-            and shadow["updates"]
-            and live[0]["tokens"] - shadow["covered_tokens"] < 2 * every
-        ):
+        if shadow and shadow["updates"] >= 3:
             return
         time.sleep(0.005)
     raise RuntimeError("the shadow never caught up")
@@ -109,7 +109,7 @@ def one_handoff(proxy: Mitmdump, text: str, every: int | None) -> dict:
                     timings = httpx.Response(200, content=line[6:]).json()["timings"]
                 if chunks == CUT:
                     if every is not None:
-                        caught_up(proxy, every)
+                        caught_up(proxy)
                         live = CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
                         shadow = live[0]["shadow"]
                     CONTROL.post(f"{proxy.url}/spillover/handoff")
