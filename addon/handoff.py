@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from addon.migration import Moved
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Handoff:
     # was taken, and the last reading under it (the memory was taken within that time).
     crossed_ms: float | None = None
     detected_within_ms: float | None = None
+    migration: Moved | None = None  # with spillover_slot_dir: moved, or why not
 
     def sensed(self, sensed: Sensed) -> None:
         self.crossed_ms = round((self.decided - sensed.crossed) * 1000, 2)
@@ -41,11 +45,18 @@ class Handoff:
             self.detected_within_ms = round((self.decided - sensed.last_below) * 1000, 2)
 
     def as_metadata(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "decided"}
+        meta = {k: v for k, v in vars(self).items() if k != "decided"}
+        if self.migration is not None:
+            meta["migration"] = self.migration.as_metadata()
+        return meta
 
     def describe(self) -> str:
         pause = f", first byte after {self.pause_ms:.1f} ms" if self.pause_ms is not None else ""
         replay = f", replayed as {self.replay}" if self.replay else ""
+        if (moved := self.migration) is not None:
+            replay += f", {moved.why}" + (
+                f" in {moved.took_ms:.0f} ms" if moved.slot is not None else ""
+            )
         caveat = f"; {self.caveat}" if self.caveat else ""
         if self.detected_within_ms is not None:
             reason = f"{self.reason}, seen within {self.detected_within_ms:.0f} ms"

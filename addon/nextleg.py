@@ -85,6 +85,19 @@ class NextLeg:
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
         return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
 
+    async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
+        """How many tokens the cut `source`'s cache holds for this answer (its rendering
+        of the prompt and the delivered tokens), when the continuation on `target` goes
+        on from the exact token ids; None otherwise."""
+        if self._servers is None or await self._exact(target) is None:
+            return None
+        ids = self.transcript.exact_ids()
+        prompt = await self._rendered(source)
+        if ids is None or prompt is None:
+            return None
+        count = await self._servers.count_tokens(source, prompt)
+        return None if count is None else count + len(ids)
+
     async def _rendered(self, upstream: Upstream) -> str | None:
         """The chat prompt as `upstream` renders it: asked once per server (the messages
         do not change while the answer streams)."""

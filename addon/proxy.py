@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import command, ctx, flow, http
@@ -19,6 +20,7 @@ from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
 from addon.exchange import Exchange, as_flow
 from addon.handoff import Handoff, Sensed
 from addon.metrics import Metrics
+from addon.migration import Migrator, add_migration_options
 from addon.pace import add_pace_options, limits_from
 from addon.routing import Router
 from addon.servers import ServerDirectory, upper_bound
@@ -57,6 +59,11 @@ class Spillover:
         )
         self.credentials = Credentials()
         self.shadows = Shadows(lambda url: self.credentials.question_headers(url))
+        self.migrator = Migrator(
+            None,
+            headers=lambda url: self.credentials.question_headers(url),
+            avoid=lambda url: self.shadows.slots.held.get(url, set()),
+        )
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -81,6 +88,7 @@ class Spillover:
         )  # fmt: skip
         add_pace_options(loader)
         add_shadow_options(loader)
+        add_migration_options(loader)
         loader.add_option(
             "spillover_health_s", int, 1,
             "Ask each server's /health this often (seconds); one that fails is down and gets "
@@ -109,11 +117,18 @@ class Spillover:
                 ctx.options.spillover_forward_credentials,
             )
             self.servers.credentials = self.credentials
+        if "spillover_slot_dir" in updated:
+            self._configure_migration(ctx.options.spillover_slot_dir)
         if "spillover_fallbacks" in updated:
             urls = [u.strip().rstrip("/") for u in ctx.options.spillover_fallbacks.split(",")]
             self.fallbacks = [Upstream(u) for u in urls if u]
             if self._loop is not None:
                 self.servers.learn(self.fallbacks, fallbacks=True)
+
+    def _configure_migration(self, directory: str) -> None:
+        self.servers.slot_dir = self.migrator.directory = Path(directory) if directory else None
+        if directory and self._loop is not None:
+            self.servers.learn([*self._known_primaries(), *self.fallbacks])
 
     async def running(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -140,6 +155,7 @@ class Spillover:
         for live in self.live.values():
             live.splice.cancel()
         await self.shadows.close()
+        await self.migrator.close()
         await self.endpoint.stop()
         await self.servers.close()
 
@@ -199,6 +215,7 @@ class Spillover:
             on_down=lambda server, why: self.router.mark_down(server.url, why),
             route_note=route_note,
             slot_for=lambda server: self.shadows.slot_for(flow.id, server),
+            migrator=self.migrator if self.migrator.directory else None,
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
             on_exchange=(

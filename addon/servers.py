@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ import httpx
 from addon.continuation import token_limit
 from addon.credentials import Credentials, redacted
 from addon.exchange import Exchange
+from addon.fingerprint import Fingerprint, saves_into, take_fingerprint
 from addon.shape import mapping
 from addon.upstream import Upstream
 
@@ -52,6 +54,14 @@ class ServerInfo:
     model: str | None = None
     # Questions it did not answer: {path: "why; what that turns off"}.
     unanswered: dict[str, str] = field(default_factory=dict)
+    # With spillover_slot_dir: what it computes (fingerprint.py), or why that is unknown.
+    fingerprint: Fingerprint | str | None = None
+
+    def as_status(self) -> dict[str, Any]:
+        status = dict(vars(self))
+        if isinstance(self.fingerprint, Fingerprint):
+            status["fingerprint"] = self.fingerprint.as_status()
+        return status
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):
@@ -105,6 +115,9 @@ class ServerDirectory:
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._asked: dict[Upstream, float] = {}
+        # Where every server saves its slots (spillover_slot_dir): set, each server is
+        # fingerprinted too (one probe completion, not cached), for KV migration.
+        self.slot_dir: Path | None = None
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
@@ -116,7 +129,8 @@ class ServerDirectory:
         now = time.monotonic()
         for upstream in upstreams:
             known = self.info.get(upstream)
-            if known is not None and known.slot_context is not None:
+            fingerprinted = self.slot_dir is None or (known and known.fingerprint is not None)
+            if known is not None and known.slot_context is not None and fingerprinted:
                 continue
             if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
                 continue
@@ -167,7 +181,28 @@ class ServerDirectory:
                 info.echoes_prefill = await self._echoes(upstream)
             except (httpx.HTTPError, ValueError) as exc:
                 _unanswered(info, "/v1/chat/completions", exc)
+        if self.slot_dir is not None:
+            info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         self.info[upstream] = info
+
+    async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
+        def ask(path: str, body: Any) -> Any:
+            return self._ask(upstream, path, body)
+
+        try:
+            fingerprint = await take_fingerprint(ask)
+            why_not = await saves_into(ask, slot_dir)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            return f"cannot be taken: {exc!r:.200}"
+        return fingerprint if why_not is None else why_not
+
+    async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
+        """How many tokens the server makes of `text` as a prompt."""
+        try:
+            answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
+            return len(answer["tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
 
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
         mine = self.get(a).tokenizer

@@ -32,6 +32,7 @@ from addon.exact import (
 from addon.exchange import Exchange
 from addon.handoff import Handoff
 from addon.ladder import Ladder
+from addon.migration import Migrator
 from addon.nextleg import NextLeg
 from addon.pace import Pace, PaceLimits
 from addon.pump import Pump
@@ -64,11 +65,13 @@ class Splice:
         on_down: Callable[[Upstream, str], None] = lambda *_: None,
         route_note: str | None = None,
         slot_for: Callable[[Upstream], int | None] = lambda _: None,
+        migrator: Migrator | None = None,
     ) -> None:
         """`primary`: the server the client addressed (the ladder may start elsewhere);
         `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
         why the answer starts where it does, told to the client; `slot_for`: a server's
-        slot that holds the answer already (a shadow prefill's, see shadow.py)."""
+        slot that holds the answer already (a shadow prefill's, see shadow.py);
+        `migrator`: moves an answer's KV state to a server running the same model."""
         self.path = path
         # post() sets these itself for each upstream.
         self.headers = [
@@ -108,6 +111,7 @@ class Splice:
         self._on_down = on_down
         self._route_note = route_note
         self._slot_for = slot_for
+        self._migrator = migrator
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
@@ -288,17 +292,23 @@ class Splice:
         why the leg failed."""
         upstream = self.current
         self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
+        slot = None  # a continuation's slot that holds the answer already
         if not self.handoffs:
             path, body, rewriter = self.path, self.raw_body, None
         else:
             try:
                 slot = self._slot_for(upstream)
+                if slot is None and self._migrator is not None and self._servers is not None:
+                    slot = await self._migrator.for_handoff(
+                        self._next, self._servers, upstream, self.handoffs[-1]
+                    )
                 request = await self._next.request(upstream, self.handoffs[-1], slot)
             except Exception as exc:  # one answer's odd shape must not end it unexplained
                 log.exception("cannot build the continuation for %s", upstream.url)
                 request = f"cannot build a continuation for {upstream.url}: {exc!r}"
             self._note(client)
             if isinstance(request, str):
+                self._release(upstream, slot)
                 return request
             path, body, rewriter = request
         headers = self._credentials.leg_headers(
@@ -318,9 +328,16 @@ class Splice:
         else:
             exchange.end("complete" if failure is None else "failed", failure)
         finally:
+            self._release(upstream, slot)
             if self._on_exchange is not None:
                 self._on_exchange(exchange)
         return failure
+
+    def _release(self, upstream: Upstream, slot: int | None) -> None:
+        """A migrated state's slot is kept from other migrations until its continuation
+        has been answered there (or never will be)."""
+        if slot is not None and self._migrator is not None:
+            self._migrator.release(upstream.url, slot)
 
     async def _exchange(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,

@@ -29,7 +29,7 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
                 for url in urls
             },
         },
-        "servers": {u.url: vars(i) for u, i in spillover.servers.info.items()},
+        "servers": {u.url: i.as_status() for u, i in spillover.servers.info.items()},
         "live": [
             {
                 "flow": flow_id,
@@ -41,5 +41,6 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
             for flow_id, answer in live.items()
         ],
         "shadows": spillover.shadows.slots.status(),
+        "migration": spillover.migrator.status(),
         **{name: part() for name, part in spillover.status_parts.items()},
     }

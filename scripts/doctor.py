@@ -1,19 +1,25 @@
 """What this machine offers the spillover addon, and how to fix what is missing.
 
-    .venv/bin/python -m scripts.doctor --servers http://127.0.0.1:8081,http://127.0.0.1:8082
+    .venv/bin/python -m scripts.doctor --servers http://127.0.0.1:8081,http://127.0.0.1:8082 \
+        [--slot-dir DIR]
 
 Memory sources and the cards they see with the pressure lines in force on each, which
-hotplug events this machine will signal, which card each server sits on, and the
-llama-server the test bed would use.
+hotplug events this machine will signal, which card each server sits on, with
+`--slot-dir` (as spillover_slot_dir) which servers an answer can move between with its
+KV state and why not, and the llama-server the test bed would use.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from addon.fingerprint import Fingerprint, saves_into, take_fingerprint
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -33,6 +39,44 @@ def describe_server(url: str, cards: CardMap) -> str:
     mapping = cards.mapping_of(url)
     on = ", ".join(sorted(mapping.cards)) or "none known"
     return f"{OK}{url}: {model}; cards: {on} (by {mapping})"
+
+
+async def fingerprint_of(url: str, slot_dir: Path) -> Fingerprint | str:
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def ask(path: str, body: Any) -> Any:
+            if body is None:
+                response = await client.get(f"{url}{path}")
+            else:
+                response = await client.post(f"{url}{path}", json=body)
+            return response.raise_for_status().json()
+
+        try:
+            fingerprint = await take_fingerprint(ask)
+            why_not = await saves_into(ask, slot_dir)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            return f"no fingerprint: {exc!r:.120}"
+        return fingerprint if why_not is None else why_not
+
+
+def migration_lines(servers: list[str], slot_dir: Path) -> list[str]:
+    """Each server's fingerprint, and whether each pair can move answers' KV state."""
+    prints = {url: asyncio.run(fingerprint_of(url, slot_dir)) for url in servers}
+    lines = []
+    for url, print_ in prints.items():
+        if isinstance(print_, Fingerprint):
+            lines.append(f"{OK}{url}: model {print_.model[:23]}, logits {print_.logits}")
+        else:
+            lines.append(f"{MISSING}{url}: {print_}")
+    for a, b in itertools.combinations(servers, 2):
+        pa, pb = prints[a], prints[b]
+        if isinstance(pa, Fingerprint) and isinstance(pb, Fingerprint):
+            differ = pa.differences(pb)
+            said = f"differ in {', '.join(differ)}: replay" if differ else "same: KV state moves"
+        else:
+            said = "not both fingerprinted: replay"
+        lines.append(f"  {a} <-> {b}: {said}")
+    return lines
 
 
 def describe_card(reading: Reading, lines: Lines) -> str:
@@ -62,6 +106,7 @@ def main() -> None:
     parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
     parser.add_argument("--proc-root", type=Path, default=Path("/proc"))
     parser.add_argument("--free-floor-mib", type=int, default=0, help="as spillover_free_floor_mib")
+    parser.add_argument("--slot-dir", type=Path, help="as spillover_slot_dir (KV migration)")
     args = parser.parse_args()
 
     lines = Lines(free_floor_mib=args.free_floor_mib)
@@ -92,6 +137,10 @@ def main() -> None:
         cards = card_map(parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root)
         for url in servers:
             print("  " + describe_server(url, cards))
+        if args.slot_dir is not None:
+            print(f"\nKV migration (slots saved in {args.slot_dir})")
+            for line in migration_lines(servers, args.slot_dir):
+                print("  " + line)
 
     print("\nllama-server for the demo and tests")
     from scripts.llamabin import BinaryNotFound, find_binary

@@ -42,8 +42,10 @@ def _starting_servers(
 ) -> Iterator[Callable[..., LlamaServer]]:
     started: list[LlamaServer] = []
 
-    def start(model: str = "primary", **kwargs) -> LlamaServer:
-        server = LlamaServer(models[model], log_dir=server_logs, **kwargs)
+    def start(model: str | Path = "primary", **kwargs) -> LlamaServer:
+        """`model`: one of the test models by name, or a model file."""
+        path = model if isinstance(model, Path) else models[model]
+        server = LlamaServer(path, log_dir=server_logs, **kwargs)
         started.append(server)
         return server.start()
 

@@ -1,0 +1,237 @@
+"""KV migration: an answer moves to a server running the same model with its KV state,
+instead of that server reading the prompt and the answer so far again.
+
+When the splice has cut the source's leg (at a token boundary: the delivered tokens), the
+migrator finds the source's slot that holds the answer (idle, holding the prompt and the
+delivered tokens, give or take the few it wrote after the last delivered one), saves it
+into the directory both servers save slots in (`--slot-save-path`), restores it into a
+free slot of the target, and gives that slot to the continuation. The continuation goes
+on from the exact token ids, so llama-server reuses the restored cache as far as it
+matches them and reads only the rest: a wrong or stale slot costs time, never the text.
+Each step can fail or be cancelled; the file is always removed and a slot that was not
+used is given back, and the continuation then replays as it would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from addon.fingerprint import Fingerprint
+from addon.upstream import Upstream
+
+if TYPE_CHECKING:
+    from addon.handoff import Handoff
+    from addon.nextleg import NextLeg
+    from addon.servers import ServerDirectory
+
+log = logging.getLogger(__name__)
+MIN_TOKENS = 64  # below this, reading the tokens again takes about as long as moving them
+WRITTEN_AFTER = 16  # tokens a source may write after the last one delivered, before it stops
+FIND_S = 1.0  # how long the cut source's slot is looked for (it goes idle within a step)
+SLOTS_TIMEOUT_S = 2.0
+MOVE_TIMEOUT_S = 60.0  # saving or restoring a long context of a big model
+
+
+def add_migration_options(loader) -> None:
+    loader.add_option(
+        "spillover_slot_dir", str, "",
+        "A directory every server saves its slots in (each run with --slot-save-path set "
+        "to it): an answer handed off to a server that runs the same model (same "
+        "fingerprint) then moves its KV state there instead of being read again. Each "
+        "server is fingerprinted at start: one probe completion (one token, not cached) "
+        "and one slot save.",
+    )  # fmt: skip
+
+
+class MigrationFailed(Exception):
+    pass
+
+
+@dataclass
+class Moved:
+    """A migration's outcome, for the handoff's record."""
+
+    slot: int | None = None  # the target's slot holding the answer; None: it replays
+    why: str = ""
+    tokens: int = 0
+    size: int = 0  # bytes of the saved state
+    save_ms: float | None = None
+    restore_ms: float | None = None
+    took_ms: float | None = None  # every step, as the answer waited
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class Migrator:
+    directory: Path | None  # where both servers save slots; None: no migration
+    headers: Callable[[str], dict[str, str]] = lambda _: {}
+    avoid: Callable[[str], set[int]] = lambda _: set()  # a server's slots kept by others
+    reserved: dict[str, set[int]] = field(default_factory=dict)  # restored, not yet used
+    _client: httpx.AsyncClient | None = None
+
+    async def for_handoff(
+        self, next_leg: NextLeg, servers: ServerDirectory, target: Upstream, handoff: Handoff
+    ) -> int | None:
+        """Move the answer's state to `target` when it should (see `why_not`): the
+        target's slot that holds it, or None to replay. The handoff records the outcome."""
+        source = Upstream(handoff.source)
+        holds = await next_leg.tokens_held(source, target)
+        if holds is None:
+            why = "the answer is not replayed as token ids"
+        else:
+            why = self.why_not(
+                servers.get(source).fingerprint, servers.get(target).fingerprint, holds
+            )
+        if why is not None:
+            handoff.migration = Moved(why=f"not moved: {why}", tokens=holds or 0)
+            return None
+        assert holds is not None
+        handoff.migration = await self.move(source, target, holds, self.avoid(target.url))
+        return handoff.migration.slot
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=MOVE_TIMEOUT_S)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def why_not(
+        self, source: Fingerprint | str | None, target: Fingerprint | str | None, tokens: int
+    ) -> str | None:
+        """Why the answer should not migrate between servers with these fingerprints (or
+        why they have none), or None if it should."""
+        for name, print_ in (("source", source), ("target", target)):
+            if not isinstance(print_, Fingerprint):
+                return f"the {name} has no fingerprint ({print_ or 'not taken yet'})"
+        assert isinstance(source, Fingerprint) and isinstance(target, Fingerprint)
+        if differ := source.differences(target):
+            return f"their fingerprints differ in {', '.join(differ)}"
+        if tokens < MIN_TOKENS:
+            return f"only {tokens} tokens: reading them again is as quick"
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory) if self.directory else None,
+            "reserved": {url: sorted(slots) for url, slots in self.reserved.items() if slots},
+        }
+
+    def release(self, target: str, slot: int) -> None:
+        """The continuation took (or will never take) the restored slot."""
+        self.reserved.get(target, set()).discard(slot)
+
+    async def move(
+        self, source: Upstream, target: Upstream, holds: int, avoid: set[int] | None = None
+    ) -> Moved:
+        """Move the cut answer's state (`holds` tokens: prompt and delivered answer) from
+        `source` to a free slot of `target` other than `avoid`. Never raises for a failed
+        step: the outcome says what happened."""
+        assert self.directory is not None
+        started = time.monotonic()
+        moved = Moved(tokens=holds)
+        name = f"spillover-{secrets.token_hex(8)}.bin"
+        slot = None
+        try:
+            found = await self._source_slot(source, holds)
+            save = asyncio.ensure_future(self._post(source, f"/slots/{found}?action=save", name))
+            try:
+                saved = await asyncio.shield(save)
+            except asyncio.CancelledError:
+                # The server writes the file whatever happens to this request: wait for it,
+                # so that it is there to be removed.
+                await asyncio.wait({save})
+                raise
+            moved.save_ms = _ms(saved, "save_ms")
+            moved.size = int(saved.get("n_written") or 0)
+            if int(saved.get("n_saved") or 0) < holds - 1:
+                raise MigrationFailed(f"the source's slot held {saved.get('n_saved')} tokens")
+            slot = await self._free_slot(target, avoid or set())
+            restored = await self._post(target, f"/slots/{slot}?action=restore", name)
+            moved.restore_ms = _ms(restored, "restore_ms")
+            if int(restored.get("n_restored") or 0) < holds - 1:
+                raise MigrationFailed(f"the target restored {restored.get('n_restored')} tokens")
+            moved.slot, moved.why = slot, f"moved {holds} tokens' KV state"
+        except (MigrationFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            moved.why = f"migration failed: {_why(exc)}"
+        finally:
+            (self.directory / name).unlink(missing_ok=True)
+            if slot is not None and moved.slot is None:
+                self.release(target.url, slot)
+            moved.took_ms = round((time.monotonic() - started) * 1000, 1)
+        return moved
+
+    async def _source_slot(self, source: Upstream, holds: int) -> int:
+        """The idle slot of the cut source that holds the answer: the most recent task
+        whose cache is the prompt and the delivered tokens (and the few written after)."""
+        deadline = time.monotonic() + FIND_S
+        while True:
+            slots = await self._slots(source)
+            fits = [
+                s for s in slots
+                if not s.get("is_processing")
+                and holds - 1 <= int(s.get("n_prompt_tokens") or -1) <= holds + WRITTEN_AFTER
+            ]  # fmt: skip
+            if fits:
+                return int(max(fits, key=lambda s: int(s.get("id_task") or 0))["id"])
+            if time.monotonic() > deadline:
+                raise MigrationFailed("no idle slot of the source holds the answer")
+            await asyncio.sleep(0.005)
+
+    async def _free_slot(self, target: Upstream, avoid: set[int]) -> int:
+        """An idle slot of the target, an unused one first; reserved until released."""
+        taken = self.reserved.setdefault(target.url, set())
+        idle = [
+            s for s in await self._slots(target)
+            if not s.get("is_processing") and s["id"] not in taken and s["id"] not in avoid
+        ]  # fmt: skip
+        if not idle:
+            raise MigrationFailed("the target has no free slot")
+        slot = int(min(idle, key=lambda s: "id_task" in s)["id"])
+        taken.add(slot)
+        return slot
+
+    async def _slots(self, server: Upstream) -> list[dict[str, Any]]:
+        response = await self.client.get(
+            f"{server.url}/slots", headers=self.headers(server.url), timeout=SLOTS_TIMEOUT_S
+        )
+        slots = response.raise_for_status().json()
+        if not isinstance(slots, list):
+            raise ValueError("its /slots is not a list")
+        return slots
+
+    async def _post(self, server: Upstream, path: str, filename: str) -> dict[str, Any]:
+        response = await self.client.post(
+            f"{server.url}{path}", json={"filename": filename}, headers=self.headers(server.url)
+        )
+        answer = response.raise_for_status().json()
+        if not isinstance(answer, dict):
+            raise ValueError(f"{path} answered {answer!r:.100}")
+        return answer
+
+
+def _ms(answer: dict[str, Any], key: str) -> float | None:
+    timings = answer.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return round(float(value), 2) if isinstance(value, int | float) else None
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} from {exc.request.url.path}"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,222 @@
+"""KV migration between real llama-servers running the same model: the answer's state is
+saved on the source and restored on the target, which then reads almost nothing; any
+failure falls back to replay and leaves nothing behind; a model of the same shape with
+other weights is refused (llama-server itself would restore it without complaint).
+
+Both servers run with --ubatch-size 32, as in the exact-replay proof (test_exact_replay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from addon.migration import Migrator
+from addon.upstream import Upstream
+from scripts.mitm import REPO, Mitmdump
+from scripts.tinymodels import PRESETS, Preset, write_model
+from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
+from tests.test_exact_replay import SAME_BATCHES, fragment_bias
+from tests.test_splice import handoff_after
+
+ANSWER = 64
+CUTS = 100
+# A prompt long enough that every cut leaves more than the migrator's minimum to move.
+MESSAGES = [{"role": "user", "content": " ".join(["Tell me about the river and the bridge."] * 10)}]
+MOVED = re.compile(r"after (\d+) tokens .*replayed as token ids, moved (\d+) tokens' KV state")
+
+
+def slot_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("spillover-*"))
+
+
+def fingerprinted(proxy: Mitmdump, urls: list[str]) -> dict:
+    servers = proxy.servers_known()
+    for url in urls:
+        assert servers[url]["tokenizer"] and servers[url]["fingerprint"], servers[url]
+    return servers
+
+
+@pytest.fixture
+def slot_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    return directory
+
+
+def test_any_cut_migrates_and_gives_the_uninterrupted_answer(
+    start_server, start_proxy, slot_dir: Path
+) -> None:
+    saves = ["--slot-save-path", str(slot_dir)]
+    first = start_server("primary", extra_args=[*SAME_BATCHES, *saves])
+    second = start_server("primary", extra_args=[*SAME_BATCHES, *saves])
+    proxy = start_proxy(first.url, [second.url], options=[f"spillover_slot_dir={slot_dir}"])
+    servers = fingerprinted(proxy, [first.url, second.url])
+    assert isinstance(servers[first.url]["fingerprint"], dict)
+    assert servers[first.url]["fingerprint"] == servers[second.url]["fingerprint"]
+
+    bias = fragment_bias(first.url)
+    body = chat_body(ANSWER, logit_bias=bias, messages=MESSAGES)
+    whole = direct_text(first.url, ANSWER, logit_bias=bias, messages=MESSAGES)
+    rng = random.Random(20261130)
+    cuts = []
+    for _ in range(2 * CUTS):
+        on_chunk = handoff_after(proxy, rng.randint(1, ANSWER - 24), hold=first)
+        stream = read_stream(proxy.url, body, on_chunk=on_chunk)
+        assert_one_clean_stream(stream)
+        if not stream.notes:
+            continue  # the handoff came after the last token: nothing to cut
+        (note,) = stream.notes
+        moved = MOVED.search(note)
+        assert moved, note
+        assert stream.text == whole, note
+        # The target read only what the restored state did not hold.
+        (timings,) = [c["timings"] for c in stream.chunks if "timings" in c]
+        assert timings["prompt_n"] <= 2, (note, timings)
+        cuts.append(int(moved.group(1)))
+        if len(cuts) == CUTS:
+            break
+    assert len(cuts) == CUTS and len(set(cuts)) >= 20, sorted(set(cuts))
+    assert slot_files(slot_dir) == []
+    status = httpx.get(f"{proxy.url}/spillover/status").json()
+    assert not any(status["migration"]["reserved"].values()), status["migration"]
+
+
+def test_a_model_of_the_same_shape_with_other_weights_is_refused(
+    start_server, start_proxy, slot_dir: Path, tmp_path: Path
+) -> None:
+    same = PRESETS["primary"]
+    other = tmp_path / "other-weights.gguf"
+    write_model(other, Preset(same.n_layer, same.n_embd, same.n_head, same.n_ff, seed=99))
+    saves = ["--slot-save-path", str(slot_dir)]
+    first = start_server("primary", extra_args=saves)
+    second = start_server(other, extra_args=saves)
+    proxy = start_proxy(first.url, [second.url], options=[f"spillover_slot_dir={slot_dir}"])
+    servers = fingerprinted(proxy, [first.url, second.url])
+    differ = {
+        key
+        for key, value in servers[first.url]["fingerprint"].items()
+        if servers[second.url]["fingerprint"][key] != value
+    }
+    assert {"model", "logits"} <= differ and "tokens" not in differ, differ
+
+    third = start_server("primary", extra_args=saves)
+    doctor = subprocess.run(
+        [
+            sys.executable, "-m", "scripts.doctor", "--servers",
+            f"{first.url},{second.url},{third.url}", "--slot-dir", str(slot_dir),
+        ],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert f"{first.url} <-> {second.url}: differ in model, logits: replay" in doctor, doctor
+    assert f"{first.url} <-> {third.url}: same: KV state moves" in doctor, doctor
+
+    body = chat_body(ANSWER, messages=MESSAGES)
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 20, hold=first))
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert "not moved: their fingerprints differ in model" in note and "logits" in note, note
+    assert slot_files(slot_dir) == []
+
+
+# The migrator on its own, against real servers: every step fails or is cancelled in
+# turn, and nothing is left behind.
+
+
+@pytest.fixture
+def answered(start_server, slot_dir: Path):
+    """A source whose slot holds a finished answer, and a target of the same model."""
+    saves = ["--slot-save-path", str(slot_dir)]
+    source = start_server("primary", slots=2, extra_args=saves)
+    target = start_server("primary", slots=2, extra_args=saves)
+    reply = httpx.post(
+        f"{source.url}/v1/chat/completions",
+        json={**chat_body(40, messages=MESSAGES), "stream": False},
+        timeout=30,
+    ).json()
+    usage = reply["usage"]
+    holds = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last is not read
+    return Upstream(source.url), Upstream(target.url), holds
+
+
+class Failing(Migrator):
+    """A migrator whose `step`-th request to a server fails."""
+
+    def __init__(self, directory: Path, step: int) -> None:
+        super().__init__(directory)
+        self.step = step
+        self.calls = 0
+
+    def _count(self) -> None:
+        self.calls += 1
+        if self.calls == self.step:
+            raise httpx.ConnectError(f"injected at step {self.step}")
+
+    async def _slots(self, server):
+        self._count()
+        return await super()._slots(server)
+
+    async def _post(self, server, path, filename):
+        self._count()
+        return await super()._post(server, path, filename)
+
+
+def test_a_step_that_fails_leaves_nothing_behind(answered, slot_dir: Path) -> None:
+    source, target, holds = answered
+
+    async def attempts() -> list:
+        outcomes = []
+        for step in (1, 2, 3, 4, 5):  # source slots, save, target slots, restore; 5: none
+            migrator = Failing(slot_dir, step)
+            moved = await migrator.move(source, target, holds)
+            outcomes.append(moved)
+            assert slot_files(slot_dir) == [], step
+            if moved.slot is not None:  # kept for the continuation until it is answered
+                assert migrator.reserved[target.url] == {moved.slot}
+                migrator.release(target.url, moved.slot)
+            assert not any(migrator.reserved.values()), step
+            await migrator.close()
+        return outcomes
+
+    outcomes = asyncio.run(attempts())
+    for step, moved in enumerate(outcomes[:4], 1):
+        assert moved.slot is None and f"injected at step {step}" in moved.why, moved
+    assert outcomes[4].slot is not None and outcomes[4].why.startswith("moved"), outcomes[4]
+
+
+def test_a_thousand_migrations_cancelled_anywhere_leave_no_residue(
+    answered, slot_dir: Path
+) -> None:
+    source, target, holds = answered
+    rng = random.Random(7)
+
+    async def cycles() -> int:
+        migrator = Migrator(slot_dir)
+        done = 0
+        for _ in range(1000):
+            move = asyncio.ensure_future(migrator.move(source, target, holds))
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            move.cancel()
+            try:
+                moved = await move
+            except asyncio.CancelledError:
+                continue
+            if moved.slot is not None:
+                done += 1
+                migrator.release(target.url, moved.slot)
+        assert slot_files(slot_dir) == []
+        assert not any(migrator.reserved.values())
+        await migrator.close()
+        return done
+
+    done = asyncio.run(cycles())
+    assert 0 < done < 1000  # some finished before their cancel, most did not
+    slots = httpx.get(f"{target.url}/slots").json()
+    assert not any(s["is_processing"] for s in slots)
