@@ -64,6 +64,7 @@ class Moved:
     why: str = ""
     tokens: int = 0
     size: int = 0  # bytes of the saved state
+    find_ms: float | None = None  # until the cut source's slot was idle and found
     save_ms: float | None = None
     restore_ms: float | None = None
     took_ms: float | None = None  # every step, as the answer waited
@@ -78,6 +79,7 @@ class Migrator:
     headers: Callable[[str], dict[str, str]] = lambda _: {}
     avoid: Callable[[str], set[int]] = lambda _: set()  # a server's slots kept by others
     reserved: dict[str, set[int]] = field(default_factory=dict)  # restored, not yet used
+    last: Moved | None = None  # the last migration tried
     _client: httpx.AsyncClient | None = None
 
     async def for_handoff(
@@ -130,6 +132,7 @@ class Migrator:
         return {
             "directory": str(self.directory) if self.directory else None,
             "reserved": {url: sorted(slots) for url, slots in self.reserved.items() if slots},
+            "last": self.last.as_metadata() if self.last else None,
         }
 
     def release(self, target: str, slot: int) -> None:
@@ -149,6 +152,7 @@ class Migrator:
         slot = None
         try:
             found = await self._source_slot(source, holds)
+            moved.find_ms = round((time.monotonic() - started) * 1000, 1)
             save = asyncio.ensure_future(self._post(source, f"/slots/{found}?action=save", name))
             try:
                 saved = await asyncio.shield(save)
@@ -174,6 +178,7 @@ class Migrator:
             if slot is not None and moved.slot is None:
                 self.release(target.url, slot)
             moved.took_ms = round((time.monotonic() - started) * 1000, 1)
+            self.last = moved
         return moved
 
     async def _source_slot(self, source: Upstream, holds: int) -> int:

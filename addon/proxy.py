@@ -17,7 +17,7 @@ from addon.carried import arrives_in_pieces, recorded, spliceable_body
 from addon.control import CONTROL_PREFIX, Control, add_access_options
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
-from addon.exchange import Exchange, as_flow
+from addon.exchange import Exchange, as_flow, flows_kept, show
 from addon.handoff import Handoff, Sensed
 from addon.metrics import Metrics
 from addon.migration import Migrator, add_migration_options
@@ -219,7 +219,7 @@ class Spillover:
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
             on_exchange=(
-                (lambda exchange: self._show_leg(flow, exchange)) if self._flows_kept() else None
+                (lambda exchange: self._show_leg(flow, exchange)) if flows_kept() else None
             ),
             exact=ctx.options.spillover_exact_replay,
             credentials=self.credentials,
@@ -366,31 +366,14 @@ class Spillover:
         flow.comment = "\n".join(f"spillover: {h.describe()}" for h in handoffs)
         flow.marked = MARK
 
-    def _flows_kept(self) -> bool:
-        """Whether flows the addon makes would go anywhere: a view (mitmweb, the console)
-        or a `-w` file. With neither they are not made (a leg's flow costs its answer's
-        first token about 0.15 ms)."""
-        return ctx.options.spillover_upstream_flows and (
-            ctx.master.addons.get("view") is not None
-            or bool("save_stream_file" in ctx.options and ctx.options.save_stream_file)
-        )
-
     def _show_question(self, exchange: Exchange) -> None:
-        if self._flows_kept():
-            self._show(as_flow(exchange))
+        if flows_kept():
+            show(as_flow(exchange))
 
     def _show_leg(self, answer: http.HTTPFlow, exchange: Exchange) -> None:
         leg = as_flow(exchange, answer)
         answer.metadata["spillover"].setdefault("legs", []).append(leg.id)
-        self._show(leg)
-
-    def _show(self, flow: http.HTTPFlow) -> None:
-        """Put a flow the addon made itself where mitmproxy's own flows go: the view
-        (mitmweb, the console) and the `-w` file."""
-        if (view := ctx.master.addons.get("view")) is not None:
-            view.add([flow])
-        if (save := ctx.master.addons.get("save")) is not None:
-            save.save_flow(flow)
+        show(leg)
 
     async def _requested_handoff(self, flow_id: str | None, reason: str) -> int:
         """Hand off one live answer, or all: how many moved."""
