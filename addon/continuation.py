@@ -39,6 +39,8 @@ class Transcript:
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
     other_parts: set[str] = field(default_factory=set)  # what cannot be replayed: tool calls
+    # Each leg's prompt reading as its server timed it: (server, tokens read, ms).
+    reads: list[tuple[str, int, float]] = field(default_factory=list)
     # The token ids behind the delivered text, while every leg has reported them.
     ids: list[int] | None = field(default_factory=list)
     id_bytes: bytearray = field(default_factory=bytearray)
@@ -85,6 +87,10 @@ class Transcript:
             self.created = chunk.get("created")
         leg = self.legs[-1]
         leg.model = chunk.get("model", leg.model)
+        if isinstance(timings := chunk.get("timings"), dict):
+            read, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+            if isinstance(read, int) and isinstance(ms, int | float):
+                self.reads.append((leg.server, read, float(ms)))
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("role"):

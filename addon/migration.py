@@ -34,8 +34,13 @@ if TYPE_CHECKING:
     from addon.servers import ServerDirectory
 
 log = logging.getLogger(__name__)
-MIN_TOKENS = 64  # below this, reading the tokens again takes about as long as moving them
-WRITTEN_AFTER = 16  # tokens a source may write after the last one delivered, before it stops
+MIN_TOKENS = 64  # until both are measured: below this, reading again is about as quick
+MEASURED_FROM = 32  # a prompt reading of fewer tokens says little about the reading rate
+SMOOTHING = 0.3  # weight of the newest measurement
+# Tokens a cut source may write after the last one delivered before it notices the cut
+# (about 30 ms on llama-server, whatever its token rate). A slot picked wrongly costs time,
+# never text: the continuation reuses only what matches its token ids.
+WRITTEN_AFTER = 256
 FIND_S = 1.0  # how long the cut source's slot is looked for (it goes idle within a step)
 SLOTS_TIMEOUT_S = 2.0
 MOVE_TIMEOUT_S = 60.0  # saving or restoring a long context of a big model
@@ -54,6 +59,50 @@ def add_migration_options(loader) -> None:
 
 class MigrationFailed(Exception):
     pass
+
+
+@dataclass
+class Rates:
+    """What reading tokens and moving them has cost on each server, as measured; the
+    expected pauses decide between migration and replay."""
+
+    read_ms: dict[str, float] = field(default_factory=dict)  # per token read
+    move_ms: dict[str, float] = field(default_factory=dict)  # per token saved and restored
+    move_fixed_ms: dict[str, float] = field(default_factory=dict)  # the rest of a move
+
+    def learn(self, reads: list[tuple[str, int, float]]) -> None:
+        """Prompt readings as servers timed them: (server, tokens, ms)."""
+        for server, tokens, ms in reads:
+            if tokens >= MEASURED_FROM:
+                _mix(self.read_ms, server, ms / tokens)
+
+    def moved(self, target: str, moved: Moved) -> None:
+        if moved.save_ms is None or moved.restore_ms is None or moved.took_ms is None:
+            return
+        _mix(self.move_ms, target, (moved.save_ms + moved.restore_ms) / max(1, moved.tokens))
+        _mix(self.move_fixed_ms, target, moved.took_ms - moved.save_ms - moved.restore_ms)
+
+    def expected(self, target: str, tokens: int) -> tuple[float, float] | None:
+        """(moving, reading) `tokens` onto `target`, in ms, once both are measured."""
+        if target not in self.read_ms or target not in self.move_ms:
+            return None
+        move = self.move_fixed_ms[target] + self.move_ms[target] * tokens
+        return move, self.read_ms[target] * tokens
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "read_ms_per_token": _rounded(self.read_ms),
+            "move_ms_per_token": _rounded(self.move_ms),
+            "move_fixed_ms": _rounded(self.move_fixed_ms),
+        }
+
+
+def _mix(rates: dict[str, float], key: str, value: float) -> None:
+    rates[key] = value if key not in rates else (1 - SMOOTHING) * rates[key] + SMOOTHING * value
+
+
+def _rounded(rates: dict[str, float]) -> dict[str, float]:
+    return {key: round(value, 4) for key, value in rates.items()}
 
 
 @dataclass
@@ -80,6 +129,7 @@ class Migrator:
     avoid: Callable[[str], set[int]] = lambda _: set()  # a server's slots kept by others
     reserved: dict[str, set[int]] = field(default_factory=dict)  # restored, not yet used
     last: Moved | None = None  # the last migration tried
+    rates: Rates = field(default_factory=Rates)
     _client: httpx.AsyncClient | None = None
 
     async def for_handoff(
@@ -93,8 +143,9 @@ class Migrator:
             why = "the answer is not replayed as token ids"
         else:
             why = self.why_not(
-                servers.get(source).fingerprint, servers.get(target).fingerprint, holds
-            )
+                servers.get(source).fingerprint, servers.get(target).fingerprint, holds,
+                target.url,
+            )  # fmt: skip
         if why is not None:
             handoff.migration = Moved(why=f"not moved: {why}", tokens=holds or 0)
             return None
@@ -114,17 +165,29 @@ class Migrator:
             self._client = None
 
     def why_not(
-        self, source: Fingerprint | str | None, target: Fingerprint | str | None, tokens: int
+        self,
+        source: Fingerprint | str | None,
+        target: Fingerprint | str | None,
+        tokens: int,
+        target_url: str,
     ) -> str | None:
-        """Why the answer should not migrate between servers with these fingerprints (or
-        why they have none), or None if it should."""
+        """Why `tokens` should not migrate between servers with these fingerprints (or
+        why they have none) onto `target_url`, or None if they should: when reading them
+        again is expected to be quicker, as measured (before that: when they are few)."""
         for name, print_ in (("source", source), ("target", target)):
             if not isinstance(print_, Fingerprint):
                 return f"the {name} has no fingerprint ({print_ or 'not taken yet'})"
         assert isinstance(source, Fingerprint) and isinstance(target, Fingerprint)
         if differ := source.differences(target):
             return f"their fingerprints differ in {', '.join(differ)}"
-        if tokens < MIN_TOKENS:
+        if (expected := self.rates.expected(target_url, tokens)) is not None:
+            move, read = expected
+            if read <= move:
+                return (
+                    f"reading {tokens} tokens again is expected to take {read:.0f} ms, "
+                    f"moving them {move:.0f} ms"
+                )
+        elif tokens < MIN_TOKENS:
             return f"only {tokens} tokens: reading them again is as quick"
         return None
 
@@ -133,6 +196,7 @@ class Migrator:
             "directory": str(self.directory) if self.directory else None,
             "reserved": {url: sorted(slots) for url, slots in self.reserved.items() if slots},
             "last": self.last.as_metadata() if self.last else None,
+            "rates": self.rates.status(),
         }
 
     def release(self, target: str, slot: int) -> None:
@@ -171,6 +235,8 @@ class Migrator:
             if int(restored.get("n_restored") or 0) < holds - 1:
                 raise MigrationFailed(f"the target restored {restored.get('n_restored')} tokens")
             moved.slot, moved.why = slot, f"moved {holds} tokens' KV state"
+            moved.took_ms = round((time.monotonic() - started) * 1000, 1)
+            self.rates.moved(target.url, moved)
         except (MigrationFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             moved.why = f"migration failed: {_why(exc)}"
         finally:

@@ -9,6 +9,7 @@ Both servers run with --ubatch-size 32, as in the exact-replay proof (test_exact
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import re
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from addon.migration import Migrator
+from addon.fingerprint import Fingerprint
+from addon.migration import Migrator, Moved
 from addon.upstream import Upstream
 from scripts.mitm import REPO, Mitmdump
 from scripts.tinymodels import PRESETS, Preset, write_model
@@ -220,3 +222,29 @@ def test_a_thousand_migrations_cancelled_anywhere_leave_no_residue(
     assert 0 < done < 1000  # some finished before their cancel, most did not
     slots = httpx.get(f"{target.url}/slots").json()
     assert not any(s["is_processing"] for s in slots)
+
+
+def test_the_policy_goes_by_the_pauses_it_measured(tmp_path: Path) -> None:
+    same = Fingerprint("sha256:ab", 1024, "b1", "t", "ids", "logits")
+    other = dataclasses.replace(same, logits="other logits")
+    migrator = Migrator(tmp_path)
+    target = "http://127.0.0.1:9"
+    assert migrator.why_not(same, other, 500, target) == ("their fingerprints differ in logits")
+    assert migrator.why_not(same, "cannot be taken: 404", 500, target) == (
+        "the target has no fingerprint (cannot be taken: 404)"
+    )
+    # Nothing measured yet: a few tokens are read again, many move.
+    assert migrator.why_not(same, same, 40, target) == (
+        "only 40 tokens: reading them again is as quick"
+    )
+    assert migrator.why_not(same, same, 500, target) is None
+    # Measured there: reading costs 0.5 ms a token; a move 20 ms and 0.01 ms a token.
+    migrator.rates.learn([(target, 1000, 500.0), (target, 10, 50.0)])  # 10 tokens: too few
+    migrator.rates.moved(
+        target, Moved(slot=1, tokens=1000, save_ms=5.0, restore_ms=5.0, took_ms=30.0)
+    )
+    assert migrator.why_not(same, same, 40, target) == (
+        "reading 40 tokens again is expected to take 20 ms, moving them 20 ms"
+    )
+    assert migrator.why_not(same, same, 50, target) is None  # 25 ms to read, 20.5 to move
+    assert migrator.rates.status()["read_ms_per_token"] == {target: 0.5}
