@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body or None) -> JSON answer
 PROBE_TEXT = "Spillover probe: the quick brown fox, 1234567 über naïve café 東京."
 PROBE_PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
@@ -119,3 +121,14 @@ async def saves_into(ask: Ask, directory: Path) -> str | None:
         return None
     finally:
         (directory / name).unlink(missing_ok=True)
+
+
+async def fingerprint_for_migration(ask: Ask, directory: Path) -> Fingerprint | str:
+    """The server's fingerprint, once it is known to save its slots into `directory`;
+    otherwise why there is none."""
+    try:
+        fingerprint = await take_fingerprint(ask)
+        why_not = await saves_into(ask, directory)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"cannot be taken: {exc!r:.200}"
+    return fingerprint if why_not is None else why_not

@@ -23,7 +23,7 @@ import httpx
 from addon.continuation import token_limit
 from addon.credentials import Credentials, redacted
 from addon.exchange import Exchange
-from addon.fingerprint import Fingerprint, saves_into, take_fingerprint
+from addon.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.shape import mapping
 from addon.upstream import Upstream
 
@@ -189,12 +189,7 @@ class ServerDirectory:
         def ask(path: str, body: Any) -> Any:
             return self._ask(upstream, path, body)
 
-        try:
-            fingerprint = await take_fingerprint(ask)
-            why_not = await saves_into(ask, slot_dir)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-            return f"cannot be taken: {exc!r:.200}"
-        return fingerprint if why_not is None else why_not
+        return await fingerprint_for_migration(ask, slot_dir)
 
     async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
         """How many tokens the server makes of `text` as a prompt."""

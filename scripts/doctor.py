@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from addon.fingerprint import Fingerprint, saves_into, take_fingerprint
+from addon.fingerprint import Fingerprint, fingerprint_for_migration
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -51,12 +51,7 @@ async def fingerprint_of(url: str, slot_dir: Path) -> Fingerprint | str:
                 response = await client.post(f"{url}{path}", json=body)
             return response.raise_for_status().json()
 
-        try:
-            fingerprint = await take_fingerprint(ask)
-            why_not = await saves_into(ask, slot_dir)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-            return f"no fingerprint: {exc!r:.120}"
-        return fingerprint if why_not is None else why_not
+        return await fingerprint_for_migration(ask, slot_dir)
 
 
 def migration_lines(servers: list[str], slot_dir: Path) -> list[str]:
