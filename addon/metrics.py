@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from addon.handoff import Handoff
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RECENT = 20  # handoffs kept for the status (and the live view)
 
 
 class Metrics:
@@ -37,6 +40,7 @@ class Metrics:
         )
         self._status = status
         self.registry.register(self)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
 
     def record(self, handoff: Handoff) -> None:
         """Called when a handoff is decided, and again once its pause is known."""
@@ -46,6 +50,7 @@ class Metrics:
                 self.detection.observe(handoff.detected_within_ms / 1000)
         else:
             self.pause.observe(handoff.pause_ms / 1000)
+            self.recent.append({"at": round(time.time(), 3), **handoff.as_metadata()})
 
     def collect(self):
         status = self._status()

@@ -12,4 +12,12 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
         || echo "test: could not install chromium: the mitmweb test skips (and fails on CI)" >&2
 fi
 
+# The live view's test drives scripts.watch in a real tmux.
+if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test: installing tmux for the live view test"
+    apt-get install -y -q tmux >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null; } \
+        || echo "test: could not install tmux: the live view test skips" >&2
+fi
+
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,144 @@
+"""A live view of a running proxy: cards, servers, answers and handoffs.
+
+    .venv/bin/python -m scripts.watch --proxy http://127.0.0.1:8090 [--token T] [--every-s 0.5]
+
+It reads `GET /spillover/status` (from this machine, or with the control token) and
+redraws every `--every-s`; `q` quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import httpx
+import urwid
+
+from addon.control import read_secret
+
+PALETTE = [
+    ("title", "bold", ""),
+    ("ok", "dark green", ""),
+    ("bad", "light red", ""),
+    ("dim", "dark gray", ""),
+]
+STATE_STYLE = {"ok": "ok", "pressured": "bad", "down": "bad", "draining": "bad"}
+
+
+def card_lines(memory: dict[str, Any]) -> list[Any]:
+    lines: list[Any] = [("title", "cards")]
+    for card, state in sorted((memory.get("cards") or {}).items()):
+        used, total = state.get("used_mib"), state.get("total_mib")
+        size = f"{used:>10,.0f} of {total:,.0f} MiB" if total else f"{used or 0:>10,.0f} MiB"
+        fired = state.get("fired") or 0
+        armed = "armed" if state.get("armed") else "fired, not re-armed"
+        style = "ok" if state.get("armed") else "bad"
+        lines.append(
+            [f"  {card:14} {size}   floor {state.get('floor_mib') or 0:,.0f} MiB   ",
+             (style, armed), f"   fired {fired}"]
+        )  # fmt: skip
+    if len(lines) == 1:
+        lines.append(("dim", "  none watched"))
+    return lines
+
+
+def server_lines(status: dict[str, Any]) -> list[Any]:
+    routing = status.get("routing") or {}
+    live = routing.get("live_per_server") or {}
+    mapping = (status.get("memory") or {}).get("servers") or {}
+    lines: list[Any] = [("title", "servers")]
+    for url, state in (routing.get("states") or {}).items():
+        name = state.get("state", "?")
+        why = f" ({state['why']})" if state.get("why") else ""
+        cards = ", ".join((mapping.get(url) or {}).get("cards") or []) or "-"
+        lines.append(
+            [f"  {url:28} ", (STATE_STYLE.get(name, "dim"), f"{name:10}"),
+             f" live {live.get(url, 0):<3} cards {cards}{why}"]
+        )  # fmt: skip
+    return lines
+
+
+def answer_lines(status: dict[str, Any]) -> list[Any]:
+    lines: list[Any] = [("title", "answers")]
+    for answer in status.get("live") or []:
+        shadow = answer.get("shadow")
+        shadowed = f"   shadow on {shadow['server']}" if shadow and not shadow["ended"] else ""
+        lines.append(
+            f"  {answer['flow'][:8]}  on {answer['server']:28} {answer['tokens']:>6} tokens"
+            f"   handoffs {answer['handoffs']}{shadowed}"
+        )
+    if len(lines) == 1:
+        lines.append(("dim", "  none streaming"))
+    return lines
+
+
+def handoff_lines(status: dict[str, Any]) -> list[Any]:
+    lines: list[Any] = [("title", "recent handoffs")]
+    for handoff in reversed(status.get("recent_handoffs") or []):
+        at = time.strftime("%H:%M:%S", time.localtime(handoff["at"]))
+        replay = f", {handoff['replay']}" if handoff.get("replay") else ""
+        lines.append(
+            f"  {at}  {handoff['kind']:9} {handoff['source']} -> {handoff['target']}"
+            f" after {handoff['at_token']} tokens, pause {handoff['pause_ms']:.1f} ms{replay}"
+        )
+    if len(lines) == 1:
+        lines.append(("dim", "  none yet"))
+    return lines
+
+
+def screen(status: dict[str, Any]) -> list[Any]:
+    """The view's lines (urwid text markup), section by section."""
+    sections = (card_lines(status.get("memory") or {}), server_lines(status))
+    sections += (answer_lines(status), handoff_lines(status))
+    lines: list[Any] = []
+    for section in sections:
+        lines += [*section, ""]
+    return lines
+
+
+class LiveView:
+    def __init__(self, proxy: str, token: str | None, every_s: float) -> None:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=proxy, headers=headers, timeout=1.0)
+        self._every_s = every_s
+        self._header = urwid.Text("")
+        self._body = urwid.Text("")
+        frame = urwid.Frame(urwid.Filler(self._body, valign="top"), header=self._header)
+        self.loop = urwid.MainLoop(frame, PALETTE, unhandled_input=self._key)
+        self._proxy = proxy
+
+    def _key(self, key: str) -> None:
+        if key in ("q", "Q"):
+            raise urwid.ExitMainLoop()
+
+    def refresh(self, *_: Any) -> None:
+        clock = time.strftime("%H:%M:%S")
+        try:
+            status = self._client.get("/spillover/status").raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self._header.set_text(("bad", f"{self._proxy}  {clock}  not answering: {exc!r:.80}"))
+        else:
+            self._header.set_text(("title", f"spillover at {self._proxy}  {clock}   q: quit"))
+            self._body.set_text([part for line in screen(status) for part in (line, "\n")])
+        self.loop.set_alarm_in(self._every_s, self.refresh)
+
+    def run(self) -> None:
+        self.refresh()
+        self.loop.run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--proxy", default="http://127.0.0.1:8090")
+    parser.add_argument(
+        "--token", help="the control token (spillover_control_token; @/path reads a file)"
+    )
+    parser.add_argument("--every-s", type=float, default=0.5)
+    args = parser.parse_args()
+    token = read_secret(args.token) if args.token else None
+    LiveView(args.proxy.rstrip("/"), token, args.every_s).run()
+
+
+if __name__ == "__main__":
+    main()

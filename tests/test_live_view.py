@@ -1,0 +1,92 @@
+"""The live terminal view (`scripts.watch`), driven in a real tmux against a real proxy:
+what a person sees is read off the screen. Skipped only where tmux is not installed
+(scripts/test.sh installs it when it may)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from scripts.memfiles import FakeCard
+from scripts.mitm import REPO, watch_sysfs
+from tests.streams import assert_one_clean_stream, chat_body, read_stream
+from tests.test_splice import handoff, held
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="no tmux here")
+
+
+class Tmux:
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.name = name
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", name, "-x", "160", "-y", "50", *command],
+            check=True, cwd=REPO,
+        )  # fmt: skip
+
+    def screen(self) -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", self.name],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+
+    def wait_for(self, seen: Callable[[str], bool], timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if seen(screen := self.screen()):
+                return screen
+            time.sleep(0.1)
+        raise AssertionError(f"not seen on the screen:\n{self.screen()}")
+
+    def alive(self) -> bool:
+        return subprocess.run(["tmux", "has-session", "-t", self.name]).returncode == 0
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+def test_the_view_shows_cards_servers_a_live_answer_and_its_handoff(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
+    primary = start_server("primary", ctx_size=8192, slots=2)
+    fallback = start_server("fallback", ctx_size=8192, slots=2)
+    sysfs = tmp_path / "sys"
+    FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    proxy = start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on))
+    view = Tmux(
+        f"spillover-view-{proxy.port}",
+        [sys.executable, "-m", "scripts.watch", "--proxy", proxy.url, "--every-s", "0.2"],
+    )
+    try:
+        screen = view.wait_for(lambda s: "drm:card0" in s and "drm:card1" in s)
+        assert "10,000 of 16,384 MiB   floor 512 MiB   armed   fired 0" in screen
+        assert "none streaming" in screen and "none yet" in screen
+        assert f"{primary.url:28} ok" in screen and f"{fallback.url:28} ok" in screen
+
+        def on_chunk(n: int) -> None:
+            if n == 20:
+                with held(primary):  # the answer stays live while the screen is read
+                    view.wait_for(lambda s: f"on {primary.url}" in s and "tokens" in s)
+                    handoff(proxy, reason="seen in the view")
+
+        stream = read_stream(proxy.url, chat_body(300), on_chunk=on_chunk)
+        assert_one_clean_stream(stream)
+        screen = view.wait_for(lambda s: f"{primary.url} -> {fallback.url}" in s)
+        (row,) = [line for line in screen.splitlines() if f"-> {fallback.url}" in line]
+        assert "requested" in row and "pause" in row and " ms" in row, row
+        assert "none streaming" in screen  # the answer is over
+
+        subprocess.run(["tmux", "send-keys", "-t", view.name, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while view.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not view.alive(), "q did not quit the view"
+    finally:
+        view.kill()
