@@ -41,6 +41,12 @@ def add_access_options(loader: Any) -> None:
         "the proxy port, to clients on this machine (loopback) and bearers of the control token.",
     )  # fmt: skip
     loader.add_option(
+        "spillover_control_local", bool, True,
+        "Admit clients on this machine to the control routes without the token. Turn it off "
+        "when a relay on this machine passes remote clients on (scripts.guard listening "
+        "on a public address): they would all look local.",
+    )  # fmt: skip
+    loader.add_option(
         "spillover_control_token", str, "",
         "A bearer token that admits clients from other machines to the control routes "
         "(Authorization: Bearer TOKEN); @/path/to/file reads it from a file.",
@@ -97,7 +103,8 @@ class Control:
             return False
         presented = flow.request.headers.get("authorization", "")
         scheme, _, given = presented.partition(" ")
-        admitted = is_loopback(flow.client_conn.peername) or (
+        local = ctx.options.spillover_control_local and is_loopback(flow.client_conn.peername)
+        admitted = local or (
             bool(self.token)
             and scheme.lower() == "bearer"
             and hmac.compare_digest(given.strip().encode(), self.token.encode())
@@ -113,6 +120,8 @@ class Control:
             flow.response = await self._handoff_route(flow.request.content or b"{}")
         elif route in ("drain", "undrain") and method == "POST":
             flow.response = self._drain_route(flow.request.content or b"{}", route == "drain")
+        elif route == "health" and method == "GET":
+            flow.response = _json(200, {"ok": True})  # the proxy itself answers: for a guard
         elif route == "status" and method == "GET":
             flow.response = _json(200, self._status())
         elif route == "metrics" and method == "GET":

@@ -1,0 +1,167 @@
+"""The fail-open guard: clients keep reaching the primary when the proxy is down.
+
+    .venv/bin/python -m scripts.guard --listen 127.0.0.1:8080 \\
+        --proxy 127.0.0.1:8090 --primary 127.0.0.1:8081
+
+The guard owns the port clients use and relays each new connection, byte for byte, to the
+proxy (mitmdump with the addon) while the proxy answers its health route
+(`GET /spillover/health`), and straight to the primary when it does not: after
+`--fails` missed checks in a row (checks every `--every-s`, each allowed `--timeout-s`),
+or at once for a connection the proxy refuses. It goes back through the proxy after
+`--passes` answered checks in a row. Connections keep the way they started on; each
+switch is printed with the time. The fix can then never become the outage.
+
+Behind a guard every client looks local to the proxy. Listening on a non-loopback
+address therefore needs `--public`, and the proxy run with
+`--set spillover_control_local=false` (its control routes then need the token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import sys
+import time
+
+CONNECT_TIMEOUT_S = 2.0
+HEALTH_REQUEST = b"GET /spillover/health HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n\r\n"
+READ_SIZE = 65536
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def say(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} guard: {line}", flush=True)
+
+
+class Guard:
+    def __init__(
+        self,
+        proxy: tuple[str, int],
+        primary: tuple[str, int],
+        every_s: float = 0.5,
+        timeout_s: float = 1.0,
+        fails: int = 2,
+        passes: int = 2,
+    ) -> None:
+        self.proxy, self.primary = proxy, primary
+        self.every_s, self.timeout_s = every_s, timeout_s
+        self.fails, self.passes = fails, passes
+        self.via_proxy = True
+        self._streak = 0  # checks in a row that disagree with the current way
+
+    async def watch(self) -> None:
+        while True:
+            answered, why = await self.check()
+            self._streak = 0 if answered == self.via_proxy else self._streak + 1
+            if self.via_proxy and self._streak >= self.fails:
+                self.via_proxy, self._streak = False, 0
+                say(f"proxy not answering ({why}): new connections go straight to the primary")
+            elif not self.via_proxy and self._streak >= self.passes:
+                self.via_proxy, self._streak = True, 0
+                say("proxy answering again: new connections go through it")
+            await asyncio.sleep(self.every_s)
+
+    async def check(self) -> tuple[bool, str]:
+        """Whether the proxy itself answers its health route, and if not, why."""
+        host, port = self.proxy
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    writer.write(HEALTH_REQUEST)
+                    status = await reader.readline()
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError) as exc:
+            return False, type(exc).__name__
+        if status.split(b" ")[1:2] != [b"200"]:
+            return False, status.decode(errors="replace").strip() or "no answer"
+        return True, ""
+
+    async def relay(
+        self, client_reader: asyncio.StreamReader, client: asyncio.StreamWriter
+    ) -> None:
+        upstream = None
+        for target in (self.proxy, self.primary) if self.via_proxy else (self.primary,):
+            try:
+                async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    upstream = await asyncio.open_connection(*target)
+                break
+            except (OSError, TimeoutError):
+                if target == self.proxy:
+                    say("proxy refused a connection: it goes straight to the primary")
+        if upstream is None:
+            client.close()
+            return
+        up_reader, up_writer = upstream
+        await asyncio.gather(
+            _pipe(client_reader, up_writer), _pipe(up_reader, client), return_exceptions=True
+        )
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One direction; when it ends (or breaks), the other side is closed too, and the
+    other direction ends with it."""
+    try:
+        while data := await reader.read(READ_SIZE):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        writer.transport.abort()
+    finally:
+        writer.close()
+
+
+async def serve(listen: tuple[str, int], guard: Guard) -> None:
+    server = await asyncio.start_server(guard.relay, *listen)
+    answered, why = await guard.check()
+    guard.via_proxy = answered
+    say(
+        f"listening on {listen[0]}:{listen[1]}; "
+        + ("through the proxy" if answered else f"straight to the primary (proxy: {why})")
+    )
+    async with server:
+        await asyncio.gather(server.serve_forever(), guard.watch())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", type=address, default=("127.0.0.1", 8080))
+    parser.add_argument("--proxy", type=address, default=("127.0.0.1", 8090))
+    parser.add_argument("--primary", type=address, default=("127.0.0.1", 8081))
+    parser.add_argument("--every-s", type=float, default=0.5)
+    parser.add_argument("--timeout-s", type=float, default=1.0)
+    parser.add_argument("--fails", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument(
+        "--public", action="store_true",
+        help="allow a non-loopback --listen (run the proxy with spillover_control_local=false)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if not is_loopback(args.listen[0]) and not args.public:
+        print(
+            "guard: a non-loopback --listen makes every client look local to the proxy: "
+            "add --public and run the proxy with --set spillover_control_local=false",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    guard = Guard(args.proxy, args.primary, args.every_s, args.timeout_s, args.fails, args.passes)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args.listen, guard))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The fail-open guard (`scripts.guard`) with real processes: a llama-server, mitmdump
+with the addon, and the guard on the clients' port. The proxy is killed (SIGKILL)
+mid-traffic and started again; clients count their failed requests and how long each
+way took."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from scripts.mitm import Mitmdump
+from scripts.processes import ManagedProcess
+from tests.streams import chat_body
+from tests.test_splice import held
+
+
+class GuardProcess(ManagedProcess):
+    name = "guard"
+
+    def __init__(self, proxy: Mitmdump, primary: str, log_dir: Path) -> None:
+        super().__init__(log_dir=log_dir)
+        self.proxy, self.primary = proxy, primary
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "scripts.guard", "--listen", f"127.0.0.1:{self.port}",
+            "--proxy", f"127.0.0.1:{self.proxy.port}", "--primary", self.primary.split("//")[1],
+            "--every-s", "0.2", "--timeout-s", "0.5",
+        ]  # fmt: skip
+
+    def said(self) -> list[str]:
+        return self.log_path.read_text().splitlines()
+
+
+class Traffic(threading.Thread):
+    """One client asking again and again, a new connection each time: (time, ok)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.results, self.running = url, [], True
+
+    def run(self) -> None:
+        body = {**chat_body(4), "stream": False}
+        while self.running:
+            try:
+                ok = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=5).is_success
+            except httpx.HTTPError:
+                ok = False
+            self.results.append((time.monotonic(), ok))
+
+    def first_ok_after(self, moment: float) -> float:
+        return next(t for t, ok in self.results if t > moment and ok)
+
+    def failed_between(self, start: float, end: float) -> int:
+        return sum(1 for t, ok in self.results if start <= t <= end and not ok)
+
+
+def via_proxy(guard: GuardProcess) -> bool:
+    """Only the proxy answers this route: the primary has no /spillover/health."""
+    return httpx.get(f"{guard.url}/spillover/health", timeout=5).status_code == 200
+
+
+def test_clients_reach_the_primary_while_the_proxy_is_down_and_come_back(
+    start_server, start_proxy, server_logs: Path
+) -> None:
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [])
+    guard = GuardProcess(proxy, primary.url, server_logs).start()
+    traffic = Traffic(guard.url)
+    try:
+        assert via_proxy(guard)
+        traffic.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        proxy.kill()
+        direct = traffic.first_ok_after(killed + 0.01) if _wait(traffic, killed, 10) else None
+        assert direct is not None and direct - killed < 3.0, direct
+        time.sleep(1.0)
+        assert not via_proxy(guard)
+
+        restarted = time.monotonic()
+        proxy.start()  # the same port, as a service manager would restart it
+        deadline = time.monotonic() + 10
+        while not via_proxy(guard) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        back = time.monotonic()
+        assert back - restarted < 10 and via_proxy(guard)
+        time.sleep(1.0)
+    finally:
+        traffic.running = False
+        traffic.join(timeout=10)
+        guard.stop()
+    # While the proxy was dying, at most the requests in flight through it failed; none
+    # once the guard had switched, and none on the way back.
+    assert traffic.failed_between(killed, direct) <= 3
+    assert traffic.failed_between(direct, time.monotonic()) == 0
+    assert traffic.failed_between(0, killed) == 0
+    said = guard.said()
+    assert any("new connections go straight to the primary" in line for line in said), said
+    assert any("proxy answering again" in line for line in said), said
+    print(
+        f"\nguard: {traffic.failed_between(killed, direct)} failed, direct after "
+        f"{(direct - killed) * 1000:.0f} ms; back through the proxy "
+        f"{(back - restarted) * 1000:.0f} ms after its restart began"
+    )
+
+
+def _wait(traffic: Traffic, after: float, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(t > after and ok for t, ok in traffic.results):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_hung_proxy_is_left_too(start_server, start_proxy, server_logs: Path) -> None:
+    """SIGSTOP: the proxy still accepts connections but answers nothing. Its health route
+    times out, so new connections go straight to the primary; requests already sent
+    through it wait (here until it is let go)."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [])
+    guard = GuardProcess(proxy, primary.url, server_logs).start()
+    try:
+        assert via_proxy(guard)
+        stopped = time.monotonic()
+        with held(proxy):
+            deadline = stopped + 10
+            while time.monotonic() < deadline:
+                if any("straight to the primary" in line for line in guard.said()):
+                    break
+                time.sleep(0.05)
+            switched = time.monotonic()
+            assert switched - stopped < 3.0, guard.said()
+            body = {**chat_body(4), "stream": False}
+            reply = httpx.post(f"{guard.url}/v1/chat/completions", json=body, timeout=5)
+            assert reply.status_code == 200 and not via_proxy(guard)
+        deadline = time.monotonic() + 10
+        while not via_proxy(guard) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert via_proxy(guard)
+    finally:
+        guard.stop()
+    print(f"\nguard: a hung proxy left after {(switched - stopped) * 1000:.0f} ms")
