@@ -5,6 +5,7 @@ way took."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -146,3 +147,31 @@ def test_a_hung_proxy_is_left_too(start_server, start_proxy, server_logs: Path) 
     finally:
         guard.stop()
     print(f"\nguard: a hung proxy left after {(switched - stopped) * 1000:.0f} ms")
+
+
+def test_a_guard_on_a_public_address_must_be_told_so() -> None:
+    """Behind it every client looks local to the proxy (see the guard's docstring)."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "scripts.guard", "--listen", "0.0.0.0:1"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "spillover_control_local=false" in refused.stderr
+
+
+def test_without_local_trust_the_control_routes_need_the_token(primary, server_logs: Path) -> None:
+    options = [
+        "spillover_shadow=off",
+        "spillover_control_local=false",
+        "spillover_control_token=s3",
+    ]
+    proxy = Mitmdump(primary.url, [], options=options, log_dir=server_logs)
+    proxy.health_path = "/health"  # its own status route is closed to it now
+    proxy.start()
+    try:
+        assert httpx.get(f"{proxy.url}/spillover/status").status_code == 404  # the primary's
+        assert httpx.post(f"{proxy.url}/spillover/handoff").status_code == 404
+        token = {"authorization": "Bearer s3"}
+        admitted = httpx.get(f"{proxy.url}/spillover/status", headers=token)
+        assert admitted.status_code == 200 and "routing" in admitted.json()
+    finally:
+        proxy.stop()

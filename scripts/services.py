@@ -1,0 +1,146 @@
+"""Run the proxy for real: systemd user services for mitmdump with the addon and for the
+fail-open guard, with the options in one file a person edits.
+
+    .venv/bin/python -m scripts.services install --primary http://127.0.0.1:8081 \\
+        --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8080] [--proxy-port 8090]
+    .venv/bin/python -m scripts.services uninstall [--purge]
+
+`install` writes `~/.config/spillover/config.yaml` (mitmproxy's own options file, in a
+confdir of its own; kept if it exists), `spillover-proxy.service` (mitmdump, restarted
+on failure) and `spillover-guard.service` (the guard on the clients' port) in
+`~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes).
+`uninstall` stops and removes the services; `--purge` removes the options file too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.guard import address, is_loopback
+
+REPO = Path(__file__).resolve().parent.parent
+UNITS = ("spillover-proxy.service", "spillover-guard.service")
+
+
+def config_home() -> Path:
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+
+
+def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) -> str:
+    # Behind a guard on a public address every client looks local: no control without
+    # the token then.
+    local = "spillover_control_local: false\n" if public else ""
+    return (
+        "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
+        "# or spillover_* option (see the README's table). Restart the service after an edit:\n"
+        "#   systemctl --user restart spillover-proxy\n"
+        "mode:\n"
+        f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
+        "scripts:\n"
+        f"  - {REPO / 'addon' / 'spillover.py'}\n"
+        f"spillover_fallbacks: {fallbacks}\n"
+        f"{local}"
+        "flow_detail: 0\n"
+    )
+
+
+def proxy_unit(confdir: Path) -> str:
+    mitmdump = Path(sys.executable).parent / "mitmdump"
+    return (
+        "[Unit]\n"
+        "Description=spillover proxy: mitmdump with the spillover addon\n"
+        "After=network.target\n\n"
+        "[Service]\n"
+        f"ExecStart={mitmdump} --set confdir={confdir}\n"
+        "Restart=on-failure\n"
+        "RestartSec=1\n\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+
+
+def guard_unit(listen: str, proxy_port: int, primary: str, public: bool) -> str:
+    target = primary.split("//", 1)[-1].rstrip("/")
+    extra = " --public" if public else ""
+    return (
+        "[Unit]\n"
+        "Description=spillover guard: clients reach the primary when the proxy is down\n"
+        "After=network.target\n\n"
+        "[Service]\n"
+        f"WorkingDirectory={REPO}\n"
+        f"ExecStart={sys.executable} -m scripts.guard --listen {listen} "
+        f"--proxy 127.0.0.1:{proxy_port} --primary {target}{extra}\n"
+        "Restart=always\n"
+        "RestartSec=1\n\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+
+
+def systemctl(*args: str) -> None:
+    if shutil.which("systemctl") is None:
+        print("services: no systemctl here; start the services yourself")
+        return
+    subprocess.run(["systemctl", "--user", *args], check=True)
+
+
+def install(args: argparse.Namespace) -> None:
+    confdir = config_home() / "spillover"
+    units = config_home() / "systemd" / "user"
+    confdir.mkdir(parents=True, exist_ok=True)
+    units.mkdir(parents=True, exist_ok=True)
+    options = confdir / "config.yaml"
+    public = not is_loopback(address(args.listen)[0])
+    if options.exists():
+        print(f"services: keeping {options} as it is")
+    else:
+        options.write_text(options_file(args.primary, args.fallbacks, args.proxy_port, public))
+        print(f"services: wrote {options}")
+    (units / UNITS[0]).write_text(proxy_unit(confdir))
+    (units / UNITS[1]).write_text(guard_unit(args.listen, args.proxy_port, args.primary, public))
+    print(f"services: wrote {', '.join(str(units / u) for u in UNITS)}")
+    if not args.no_start:
+        systemctl("daemon-reload")
+        systemctl("enable", "--now", *UNITS)
+        print(f"services: clients use {args.listen}; the proxy listens on {args.proxy_port}")
+
+
+def uninstall(args: argparse.Namespace) -> None:
+    units = config_home() / "systemd" / "user"
+    if not args.no_start:
+        subprocess.run(["systemctl", "--user", "disable", "--now", *UNITS], check=False)
+    for unit in UNITS:
+        (units / unit).unlink(missing_ok=True)
+    if args.purge:
+        shutil.rmtree(config_home() / "spillover", ignore_errors=True)
+    if not args.no_start:
+        systemctl("daemon-reload")
+    print("services: removed" + (" with the options file" if args.purge else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    put = commands.add_parser("install")
+    put.add_argument("--primary", required=True, help="the primary's URL")
+    put.add_argument("--fallbacks", default="", help="comma-separated fallback URLs")
+    put.add_argument("--listen", default="127.0.0.1:8080", help="the clients' address (guard)")
+    put.add_argument("--proxy-port", type=int, default=8090)
+    put.add_argument("--no-start", action="store_true", help="only write the files")
+    remove = commands.add_parser("uninstall")
+    remove.add_argument("--purge", action="store_true", help="remove the options file too")
+    remove.add_argument("--no-start", action="store_true", help="do not call systemctl")
+    args = parser.parse_args()
+    if args.command == "install":
+        install(args)
+    else:
+        uninstall(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""`scripts.services`: the files it writes run the proxy and the guard as a service
+manager would start them (the commands are taken from the unit files themselves), and
+`uninstall` takes them away again. systemd itself is not running here: the units are
+checked with `systemd-analyze verify` where that is installed."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from scripts.mitm import REPO
+from scripts.processes import free_port
+from tests.streams import chat_body
+
+
+def services(config: Path, *args: str) -> str:
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config)}
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.services", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+def unit_command(unit: Path) -> tuple[list[str], Path]:
+    lines = dict(line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line)
+    return shlex.split(lines["ExecStart"]), Path(lines.get("WorkingDirectory", REPO))
+
+
+def wait_until(check, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("never came up")
+
+
+def test_install_runs_the_proxy_and_the_guard_and_uninstall_removes_them(
+    primary, fallback, tmp_path: Path
+) -> None:
+    config = tmp_path / "config"
+    listen, proxy_port = free_port(), free_port()
+    said = services(
+        config, "install", "--primary", primary.url, "--fallbacks", fallback.url,
+        "--listen", f"127.0.0.1:{listen}", "--proxy-port", str(proxy_port), "--no-start",
+    )  # fmt: skip
+    options = config / "spillover" / "config.yaml"
+    units = [
+        config / "systemd" / "user" / name
+        for name in ("spillover-proxy.service", "spillover-guard.service")
+    ]
+    assert f"wrote {options}" in said and all(unit.exists() for unit in units)
+    if shutil.which("systemd-analyze"):
+        verified = subprocess.run(
+            ["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True
+        )
+        assert verified.returncode == 0, verified.stderr
+
+    started = []
+    try:
+        for unit in units:
+            argv, cwd = unit_command(unit)
+            started.append(
+                subprocess.Popen(
+                    argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        proxy = f"http://127.0.0.1:{proxy_port}"
+        wait_until(lambda: httpx.get(f"{proxy}/spillover/status").status_code == 200)
+        status = httpx.get(f"{proxy}/spillover/status").json()
+        assert status["fallbacks"] == [fallback.url]  # the options file was read
+        guard = f"http://127.0.0.1:{listen}"
+        wait_until(lambda: httpx.get(f"{guard}/spillover/health").status_code == 200)
+        reply = httpx.post(
+            f"{guard}/v1/chat/completions", json={**chat_body(4), "stream": False}, timeout=30
+        )
+        assert reply.status_code == 200
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(timeout=10)
+
+    # A person's edits are kept on a second install.
+    options.write_text(options.read_text() + "spillover_health_s: 2\n")
+    assert "keeping" in services(config, "install", "--primary", primary.url, "--no-start")
+    assert "spillover_health_s: 2" in options.read_text()
+    services(config, "uninstall", "--no-start", "--purge")
+    assert not any(unit.exists() for unit in units) and not options.exists()
+
+
+def test_a_public_guard_closes_the_control_routes_to_local_clients(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    listen = "0.0.0.0:8080"
+    services(config, "install", "--primary", "http://127.0.0.1:9", "--listen", listen, "--no-start")
+    assert "spillover_control_local: false" in (config / "spillover" / "config.yaml").read_text()
+    guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
+    assert "--listen 0.0.0.0:8080" in guard and "--public" in guard
