@@ -26,65 +26,62 @@ PALETTE = [
 STATE_STYLE = {"ok": "ok", "pressured": "bad", "down": "bad", "draining": "bad"}
 
 
+def section(title: str, rows: list[Any], empty: str) -> list[Any]:
+    return [("title", title), *(rows or [("dim", f"  {empty}")])]
+
+
 def card_lines(memory: dict[str, Any]) -> list[Any]:
-    lines: list[Any] = [("title", "cards")]
+    rows: list[Any] = []
     for card, state in sorted((memory.get("cards") or {}).items()):
         used, total = state.get("used_mib"), state.get("total_mib")
         size = f"{used:>10,.0f} of {total:,.0f} MiB" if total else f"{used or 0:>10,.0f} MiB"
-        fired = state.get("fired") or 0
         armed = "armed" if state.get("armed") else "fired, not re-armed"
-        style = "ok" if state.get("armed") else "bad"
-        lines.append(
+        rows.append(
             [f"  {card:14} {size}   floor {state.get('floor_mib') or 0:,.0f} MiB   ",
-             (style, armed), f"   fired {fired}"]
+             ("ok" if state.get("armed") else "bad", armed),
+             f"   fired {state.get('fired') or 0}"]
         )  # fmt: skip
-    if len(lines) == 1:
-        lines.append(("dim", "  none watched"))
-    return lines
+    return section("cards", rows, "none watched")
 
 
 def server_lines(status: dict[str, Any]) -> list[Any]:
     routing = status.get("routing") or {}
     live = routing.get("live_per_server") or {}
     mapping = (status.get("memory") or {}).get("servers") or {}
-    lines: list[Any] = [("title", "servers")]
+    rows: list[Any] = []
     for url, state in (routing.get("states") or {}).items():
         name = state.get("state", "?")
         why = f" ({state['why']})" if state.get("why") else ""
         cards = ", ".join((mapping.get(url) or {}).get("cards") or []) or "-"
-        lines.append(
+        rows.append(
             [f"  {url:28} ", (STATE_STYLE.get(name, "dim"), f"{name:10}"),
              f" live {live.get(url, 0):<3} cards {cards}{why}"]
         )  # fmt: skip
-    return lines
+    return section("servers", rows, "none known")
 
 
 def answer_lines(status: dict[str, Any]) -> list[Any]:
-    lines: list[Any] = [("title", "answers")]
+    rows = []
     for answer in status.get("live") or []:
         shadow = answer.get("shadow")
         shadowed = f"   shadow on {shadow['server']}" if shadow and not shadow["ended"] else ""
-        lines.append(
+        rows.append(
             f"  {answer['flow'][:8]}  on {answer['server']:28} {answer['tokens']:>6} tokens"
             f"   handoffs {answer['handoffs']}{shadowed}"
         )
-    if len(lines) == 1:
-        lines.append(("dim", "  none streaming"))
-    return lines
+    return section("answers", rows, "none streaming")
 
 
 def handoff_lines(status: dict[str, Any]) -> list[Any]:
-    lines: list[Any] = [("title", "recent handoffs")]
+    rows = []
     for handoff in reversed(status.get("recent_handoffs") or []):
         at = time.strftime("%H:%M:%S", time.localtime(handoff["at"]))
         replay = f", {handoff['replay']}" if handoff.get("replay") else ""
-        lines.append(
+        rows.append(
             f"  {at}  {handoff['kind']:9} {handoff['source']} -> {handoff['target']}"
             f" after {handoff['at_token']} tokens, pause {handoff['pause_ms']:.1f} ms{replay}"
         )
-    if len(lines) == 1:
-        lines.append(("dim", "  none yet"))
-    return lines
+    return section("recent handoffs", rows, "none yet")
 
 
 def screen(status: dict[str, Any]) -> list[Any]:
