@@ -69,6 +69,14 @@ class Transcript:
                     self.record(chunk)
         self._unread.clear()
 
+    def timed(self, chunk: dict[str, Any]) -> None:
+        """A leg's last chunk: how long its server took to read the prompt, if it says."""
+        timings = chunk.get("timings")
+        if isinstance(timings, dict) and self.legs:
+            read, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+            if isinstance(read, int) and isinstance(ms, int | float):
+                self.reads.append((self.legs[-1].server, read, float(ms)))
+
     def begin_leg(self, server: str) -> None:
         self.legs.append(LegUsage(server))
 
@@ -87,10 +95,6 @@ class Transcript:
             self.created = chunk.get("created")
         leg = self.legs[-1]
         leg.model = chunk.get("model", leg.model)
-        if isinstance(timings := chunk.get("timings"), dict):
-            read, ms = timings.get("prompt_n"), timings.get("prompt_ms")
-            if isinstance(read, int) and isinstance(ms, int | float):
-                self.reads.append((leg.server, read, float(ms)))
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("role"):

@@ -269,7 +269,6 @@ class Spillover:
         live = self.live.pop(flow.id, None)
         if live is not None:
             self.endpoint.forget(live.token)  # answered by another addon: the splice stops
-            live.splice.transcript.settle()
             self.migrator.rates.learn(live.splice.transcript.reads)
         self._sensed.pop(flow.id, None)
         self.shadows.ended(flow.id)

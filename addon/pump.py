@@ -132,6 +132,7 @@ class Pump:
                 return None
             event = sse.encode(chunk)
         if self._held or ends_answer(chunk):
+            self.transcript.timed(chunk)
             self.finishing()
             if ready := self._calls.flush():
                 self._held.append(sse.encode(calls_chunk(chunk, ready)) + SEP)

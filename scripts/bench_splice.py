@@ -3,8 +3,9 @@
 Part 1, side by side in one run against a max-rate stand-in server (scripts/sse_source.py):
 direct, plain mitmdump (streaming) and mitmdump with the addon (no fallback; a fallback
 with the same tokenizer, so the first leg asks for token ids; the same with exact replay
-off); throughput with 1 and 32 streams, and per-chunk latency at 500 chunks/s. Each row
-checks with the stand-in that its requests took the path it names.
+off; the addon behind the fail-open guard); throughput with 1 and 32 streams, and
+per-chunk latency at 500 chunks/s. Each row checks with the stand-in that its requests
+took the path it names.
 Part 2, real llama-servers: time to the first token (short prompt, median of 30) direct,
 through plain mitmdump and through the addon; the handoff pause a client sees (handoff
 note -> first fallback chunk), cold (fresh fallback, empty prompt cache) and warm
@@ -28,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from addon.upstream import ChunkedBody
+from scripts.guard import GuardProcess
 from scripts.llamaserver import LlamaServer
 from scripts.mitm import Mitmdump
 from scripts.processes import ManagedProcess, running
@@ -95,39 +97,43 @@ def overhead(quick: bool, work: Path) -> None:
     single, multi, paced = (4000, 500, 300) if quick else (40000, 3000, 1500)
     source = SseSource(log_dir=work)
     with running(source):
-        setups = {
-            "direct": None,
-            "plain mitmdump": Mitmdump(source.url, addon=False, log_dir=work),
-            "addon": Mitmdump(source.url, [], log_dir=work),
+        behind = Mitmdump(source.url, [], log_dir=work)
+        setups: dict[str, list[ManagedProcess]] = {
+            "direct": [],
+            "plain mitmdump": [Mitmdump(source.url, addon=False, log_dir=work)],
+            "addon": [Mitmdump(source.url, [], log_dir=work)],
             # A fallback with the same tokenizer: the first leg is asked for token ids.
-            "addon, ids": Mitmdump(source.url, [source.url], log_dir=work),
-            "addon, ids off": Mitmdump(
-                source.url, [source.url], options=["spillover_exact_replay=false"], log_dir=work
-            ),
-        }
+            "addon, ids": [Mitmdump(source.url, [source.url], log_dir=work)],
+            "addon, ids off": [
+                Mitmdump(
+                    source.url, [source.url], options=["spillover_exact_replay=false"],
+                    log_dir=work,
+                )
+            ],
+            # The fail-open guard in front (scripts/guard.py): one more relay on the way.
+            "addon, guarded": [
+                behind, GuardProcess(behind.port, source.url.split("//")[1], log_dir=work)
+            ],
+        }  # fmt: skip
         results: dict[str, tuple[float, float, float, float]] = {}
-        for name, proxy in setups.items():
-            if proxy is not None:
-                proxy.start()
-                if proxy.fallbacks:
-                    wait_for_tokenizers(proxy)
-            port = proxy.port if proxy else source.port
-            before = served(source)
-            try:
+        for name, processes in setups.items():
+            with running(*processes):
+                for proxy in processes:
+                    if isinstance(proxy, Mitmdump) and proxy.fallbacks:
+                        wait_for_tokenizers(proxy)
+                port = processes[-1].port if processes else source.port
+                before = served(source)
                 asyncio.run(throughput(port, 1, 500))  # warm up
                 one = asyncio.run(throughput(port, 1, single))
                 many = asyncio.run(throughput(port, 32, multi))
                 p50, p95 = asyncio.run(latency(port, paced))
-            finally:
-                if proxy is not None:
-                    proxy.stop()
             check_path(name, before, served(source))
             results[name] = (one, many, p50, p95)
     plain = results["plain mitmdump"]
     print(f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8}")
     for name, (one, many, p50, p95) in results.items():
         print(f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f}")
-    for name in ("addon", "addon, ids", "addon, ids off"):
+    for name in ("addon", "addon, ids", "addon, ids off", "addon, guarded"):
         addon = results[name]
         print(
             f"{name} / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "

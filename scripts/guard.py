@@ -24,6 +24,9 @@ import contextlib
 import ipaddress
 import sys
 import time
+from pathlib import Path
+
+from scripts.processes import ManagedProcess
 
 CONNECT_TIMEOUT_S = 2.0
 HEALTH_REQUEST = b"GET /spillover/health HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n\r\n"
@@ -135,6 +138,28 @@ async def serve(listen: tuple[str, int], guard: Guard) -> None:
     )
     async with server:
         await asyncio.gather(server.serve_forever(), guard.watch())
+
+
+class GuardProcess(ManagedProcess):
+    """The guard as a child process (tests, benchmarks): on a free port, in front of
+    `proxy_port`, falling back to `primary` (host:port)."""
+
+    name = "guard"
+    health_path = "/spillover/health"  # relayed: healthy once the proxy behind answers
+
+    def __init__(self, proxy_port: int, primary: str, log_dir: Path | None = None) -> None:
+        super().__init__(log_dir=log_dir)
+        self.proxy_port, self.primary = proxy_port, primary
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "scripts.guard", "--listen", f"127.0.0.1:{self.port}",
+            "--proxy", f"127.0.0.1:{self.proxy_port}", "--primary", self.primary,
+            "--every-s", "0.2", "--timeout-s", "0.5",
+        ]  # fmt: skip
+
+    def said(self) -> list[str]:
+        return self.log_path.read_text().splitlines()
 
 
 def main() -> None:

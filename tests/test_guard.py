@@ -13,28 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from scripts.guard import GuardProcess
 from scripts.mitm import Mitmdump
-from scripts.processes import ManagedProcess
 from tests.streams import chat_body
 from tests.test_splice import held
-
-
-class GuardProcess(ManagedProcess):
-    name = "guard"
-
-    def __init__(self, proxy: Mitmdump, primary: str, log_dir: Path) -> None:
-        super().__init__(log_dir=log_dir)
-        self.proxy, self.primary = proxy, primary
-
-    def argv(self) -> list[str]:
-        return [
-            sys.executable, "-m", "scripts.guard", "--listen", f"127.0.0.1:{self.port}",
-            "--proxy", f"127.0.0.1:{self.proxy.port}", "--primary", self.primary.split("//")[1],
-            "--every-s", "0.2", "--timeout-s", "0.5",
-        ]  # fmt: skip
-
-    def said(self) -> list[str]:
-        return self.log_path.read_text().splitlines()
 
 
 class Traffic(threading.Thread):
@@ -70,7 +52,7 @@ def test_clients_reach_the_primary_while_the_proxy_is_down_and_come_back(
 ) -> None:
     primary = start_server("primary")
     proxy = start_proxy(primary.url, [])
-    guard = GuardProcess(proxy, primary.url, server_logs).start()
+    guard = GuardProcess(proxy.port, primary.url.split("//")[1], server_logs).start()
     traffic = Traffic(guard.url)
     try:
         assert via_proxy(guard)
@@ -125,7 +107,7 @@ def test_a_hung_proxy_is_left_too(start_server, start_proxy, server_logs: Path) 
     through it wait (here until it is let go)."""
     primary = start_server("primary")
     proxy = start_proxy(primary.url, [])
-    guard = GuardProcess(proxy, primary.url, server_logs).start()
+    guard = GuardProcess(proxy.port, primary.url.split("//")[1], server_logs).start()
     try:
         assert via_proxy(guard)
         stopped = time.monotonic()

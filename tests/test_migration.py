@@ -67,6 +67,10 @@ def test_any_cut_migrates_and_gives_the_uninterrupted_answer(
     bias = fragment_bias(first.url)
     body = chat_body(ANSWER, logit_bias=bias, messages=MESSAGES)
     whole = direct_text(first.url, ANSWER, logit_bias=bias, messages=MESSAGES)
+    # An answer that is not cut tells the policy how fast the primary reads a prompt.
+    assert read_stream(proxy.url, body).text == whole
+    rates = httpx.get(f"{proxy.url}/spillover/status").json()["migration"]["rates"]
+    assert rates["read_ms_per_token"][first.url] > 0, rates
     rng = random.Random(20261130)
     cuts = []
     for _ in range(2 * CUTS):
