@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from addon.slots import idle_slots, unused_first
+
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body or None) -> JSON answer
 PROBE_TEXT = "Spillover probe: the quick brown fox, 1234567 über naïve café 東京."
 PROBE_PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
@@ -108,9 +110,7 @@ async def saves_into(ask: Ask, directory: Path) -> str | None:
     otherwise why not."""
     slots = await ask("/slots", None)
     # An unused slot first: saving it writes a few bytes, not another client's cache.
-    idle = [
-        s["id"] for s in sorted(slots, key=lambda s: "id_task" in s) if not s.get("is_processing")
-    ]
+    idle = [s["id"] for s in unused_first(idle_slots(slots))]
     if not idle:
         return "no idle slot to try a save with"
     name = f"spillover-check-{secrets.token_hex(8)}.bin"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from addon.fingerprint import Fingerprint
+from addon.slots import idle_slots, unused_first
 from addon.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -235,8 +236,6 @@ class Migrator:
             if int(restored.get("n_restored") or 0) < holds - 1:
                 raise MigrationFailed(f"the target restored {restored.get('n_restored')} tokens")
             moved.slot, moved.why = slot, f"moved {holds} tokens' KV state"
-            moved.took_ms = round((time.monotonic() - started) * 1000, 1)
-            self.rates.moved(target.url, moved)
         except (MigrationFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             moved.why = f"migration failed: {_why(exc)}"
         finally:
@@ -245,6 +244,8 @@ class Migrator:
                 self.release(target.url, slot)
             moved.took_ms = round((time.monotonic() - started) * 1000, 1)
             self.last = moved
+        if moved.slot is not None:
+            self.rates.moved(target.url, moved)
         return moved
 
     async def _source_slot(self, source: Upstream, holds: int) -> int:
@@ -254,9 +255,8 @@ class Migrator:
         while True:
             slots = await self._slots(source)
             fits = [
-                s for s in slots
-                if not s.get("is_processing")
-                and holds - 1 <= int(s.get("n_prompt_tokens") or -1) <= holds + WRITTEN_AFTER
+                s for s in idle_slots(slots)
+                if holds - 1 <= int(s.get("n_prompt_tokens") or -1) <= holds + WRITTEN_AFTER
             ]  # fmt: skip
             if fits:
                 return int(max(fits, key=lambda s: int(s.get("id_task") or 0))["id"])
@@ -267,13 +267,10 @@ class Migrator:
     async def _free_slot(self, target: Upstream, avoid: set[int]) -> int:
         """An idle slot of the target, an unused one first; reserved until released."""
         taken = self.reserved.setdefault(target.url, set())
-        idle = [
-            s for s in await self._slots(target)
-            if not s.get("is_processing") and s["id"] not in taken and s["id"] not in avoid
-        ]  # fmt: skip
+        idle = unused_first(idle_slots(await self._slots(target), taken | avoid))
         if not idle:
             raise MigrationFailed("the target has no free slot")
-        slot = int(min(idle, key=lambda s: "id_task" in s)["id"])
+        slot = int(idle[0]["id"])
         taken.add(slot)
         return slot
 

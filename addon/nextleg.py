@@ -66,9 +66,10 @@ class NextLeg:
         delivered = self.transcript.content or self.transcript.reasoning
         return self.path, body, rewriter, "text" if delivered else None
 
-    async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
-        """A native request that goes on from the delivered token ids, when the ids are
-        known and `upstream` reads them as the first server meant them."""
+    async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
+        """The prompt as `upstream` renders it and the delivered token ids, when a
+        continuation there can go on from the ids: they are known and `upstream` reads
+        them as the first server meant them."""
         servers = self._servers
         if not self.asks_ids or servers is None or not self.transcript.content:
             return None
@@ -80,6 +81,15 @@ class NextLeg:
             return None
         if (prompt := await self._rendered(upstream)) is None:
             return None
+        return prompt, ids
+
+    async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
+        """A native request that goes on from the delivered token ids (see `_exact_start`)."""
+        if (start := await self._exact_start(upstream)) is None:
+            return None
+        servers = self._servers
+        assert servers is not None
+        prompt, ids = start
         body = native_body(self.body, prompt, ids, self.transcript.produced)
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
@@ -89,11 +99,10 @@ class NextLeg:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering
         of the prompt and the delivered tokens), when the continuation on `target` goes
         on from the exact token ids; None otherwise."""
-        if self._servers is None or await self._exact(target) is None:
+        if self._servers is None or (start := await self._exact_start(target)) is None:
             return None
-        ids = self.transcript.exact_ids()
-        prompt = await self._rendered(source)
-        if ids is None or prompt is None:
+        _, ids = start
+        if (prompt := await self._rendered(source)) is None:
             return None
         count = await self._servers.count_tokens(source, prompt)
         return None if count is None else count + len(ids)

@@ -27,6 +27,7 @@ import httpx
 
 from addon.continuation import TOKEN_LIMIT_FIELDS, Transcript
 from addon.nextleg import NextLeg
+from addon.slots import idle_slots
 from addon.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -105,11 +106,7 @@ class ShadowSlots:
         except (httpx.HTTPError, ValueError) as exc:
             self.refused[url] = f"its slots cannot be listed ({_why(exc)}; --no-slots?)"
             return None
-        idle = [
-            s["id"]
-            for s in slots if isinstance(slots, list)
-            if isinstance(s, dict) and s.get("is_processing") is False and s.get("id") not in held
-        ]  # fmt: skip
+        idle = [s["id"] for s in idle_slots(slots, held)]
         if not idle:
             self.refused[url] = "no free slot"
             return None

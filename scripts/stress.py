@@ -18,17 +18,11 @@ import mmap
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from scripts.memfiles import mem_available_mib
 
 MIB = 1024 * 1024
 PAGE = mmap.PAGESIZE
-
-
-def available_mib(meminfo: Path = Path("/proc/meminfo")) -> float:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no MemAvailable in {meminfo}")
 
 
 class RamHog:
@@ -49,7 +43,7 @@ class RamHog:
         self._maps.clear()
 
     def describe(self) -> str:
-        return f"ram: {available_mib():,.0f} MiB available"
+        return f"ram: {mem_available_mib():,.0f} MiB available"
 
 
 P = ctypes.POINTER
