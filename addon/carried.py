@@ -8,33 +8,37 @@ from typing import Any
 
 from mitmproxy import http
 
-# Spliced routes, and the field that holds what the answer continues from.
-SPLICED = {
-    "/v1/chat/completions": "messages",
-    "/chat/completions": "messages",
-    "/v1/completions": "prompt",
-    "/completions": "prompt",
+from addon.chat import Chat
+from addon.dialect import Dialect
+from addon.messages import Messages
+from addon.ollama import Ollama
+from addon.responses import Responses
+
+CHAT, TEXT = Chat("messages"), Chat("prompt")
+# Spliced routes, each with its wire format.
+SPLICED: dict[str, Dialect] = {
+    "/v1/chat/completions": CHAT,
+    "/chat/completions": CHAT,
+    "/v1/completions": TEXT,
+    "/completions": TEXT,
+    "/v1/messages": Messages(),
+    "/v1/responses": Responses(),
+    "/api/chat": Ollama(),
 }
 
 
-def spliceable_body(request: http.Request) -> dict[str, Any] | None:
-    """The parsed body of a chat or text completion this addon can carry, else None."""
-    field = SPLICED.get(request.path.split("?")[0])
-    if request.method != "POST" or field is None:
+def spliceable(request: http.Request) -> tuple[dict[str, Any], Dialect] | None:
+    """The parsed body of a request this addon can carry, and its wire format; else None."""
+    dialect = SPLICED.get(request.path.split("?")[0])
+    if request.method != "POST" or dialect is None:
         return None
     try:
         body = json.loads(request.content or b"")
     except ValueError:
-        return None  # the primary answers malformed JSON with its own clear 400
-    if not isinstance(body, dict):
-        return None
-    if not isinstance(body.get(field), list if field == "messages" else str):
-        return None  # malformed, or token-id prompts: passed through as they are
-    if field == "messages" and not all(isinstance(m, dict) for m in body["messages"]):
-        return None  # malformed: the primary answers with its own error
-    if body.get("n", 1) != 1:
-        return None  # several choices per answer are not spliced: passed through as they are
-    return body
+        return None  # the server answers malformed JSON with its own clear 400
+    if not isinstance(body, dict) or not dialect.accepts(body):
+        return None  # malformed, or a shape not carried: passed through as it is
+    return body, dialect
 
 
 def arrives_in_pieces(response: http.Response) -> bool:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from addon import sse
+from addon.dialect import EchoStrip, prefilled
 from addon.shape import constraint_of, positive_int, text_of
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
@@ -44,7 +45,9 @@ class Transcript:
     # The token ids behind the delivered text, while every leg has reported them.
     ids: list[int] | None = field(default_factory=list)
     id_bytes: bytearray = field(default_factory=bytearray)
-    _unread: list[bytes] = field(default_factory=list)
+    # What a wire format keeps about the stream the client reads (open blocks, item ids).
+    wire: dict[str, Any] = field(default_factory=dict)
+    _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -54,19 +57,13 @@ class Transcript:
     def reasoning_text(self) -> str:
         return "".join(self.reasoning)
 
-    def record_raw(self, block: bytes) -> None:
-        """Account for a block of events forwarded unread; `settle()` reads them."""
-        self._unread.append(block)
+    def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
+        """Account for a block of events forwarded unread; `settle()` has `read` read it."""
+        self._unread.append((block, read))
 
     def settle(self) -> None:
-        for block in self._unread:
-            for event in sse.events(block):
-                try:
-                    chunk = sse.parse(event)
-                except ValueError:
-                    continue  # delivered as the server sent it; nothing to account for
-                if isinstance(chunk, dict):
-                    self.record(chunk)
+        for block, read in self._unread:
+            read(block)
         self._unread.clear()
 
     def timed(self, chunk: dict[str, Any]) -> None:
@@ -87,9 +84,25 @@ class Transcript:
             return None
         return self.ids
 
+    def add(self, text: str | None, thought: str | None = None) -> None:
+        """Account for one delta of answer text or reasoning the client has received
+        (servers here send one per token)."""
+        leg = self.legs[-1]
+        if text and self.reasoning and not self.content:
+            # The tag that closed the reasoning was a token too, with no delta of its own.
+            self.produced += 1
+            leg.completion_tokens += 1
+        if text:
+            self.content.append(text)
+        if thought:
+            self.reasoning.append(thought)
+        if text or thought:
+            self.produced += 1
+            leg.completion_tokens += 1
+
     def record(self, chunk: dict[str, Any], pieces: list[Piece] | None = None) -> None:
-        """Account for a chunk that has been written to the client; `pieces` are the ids
-        behind it (taken from its logprobs when not given)."""
+        """Account for a chat chunk that has been written to the client; `pieces` are the
+        ids behind it (taken from its logprobs when not given)."""
         if self.id is None:
             self.id = chunk.get("id")
             self.created = chunk.get("created")
@@ -99,19 +112,7 @@ class Transcript:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 self.role_sent = True
-            text = delta.get("content") or choice.get("text")
-            thought = delta.get("reasoning_content")
-            if text and self.reasoning and not self.content:
-                # The tag that closed the reasoning was a token too, with no delta of its own.
-                self.produced += 1
-                leg.completion_tokens += 1
-            if text:
-                self.content.append(text)
-            if thought:
-                self.reasoning.append(thought)
-            if text or thought:
-                self.produced += 1
-                leg.completion_tokens += 1
+            self.add(delta.get("content") or choice.get("text"), delta.get("reasoning_content"))
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
         self._record_ids(chunk, pieces)
@@ -164,7 +165,7 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
     if isinstance(body.get("prompt"), str):
         body["prompt"] += delivered  # a text completion simply goes on from its prompt
     else:
-        messages = _continued_messages(list(body.get("messages") or []), delivered)
+        messages = prefilled(list(body.get("messages") or []), delivered, _assistant)
         if reasoning:
             # llama-server goes on with the reasoning while the answer has no content yet,
             # else it renders the reasoning closed and goes on with the content.
@@ -176,14 +177,8 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
     return body
 
 
-def _continued_messages(messages: list[Any], delivered: str) -> list[Any]:
-    """The messages with the delivered text as the assistant's answer so far (prefill)."""
-    if messages and messages[-1].get("role") == "assistant":
-        # The client prefilled the answer itself; servers that echo sent it back already.
-        earlier = text_of(messages[-1].get("content")) or ""
-        prefill = delivered if delivered.startswith(earlier) else earlier + delivered
-        return [*messages[:-1], {**messages[-1], "content": prefill}]
-    return [*messages, {"role": "assistant", "content": delivered}]
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
 
 
 def token_limit(body: dict[str, Any]) -> int | None:
@@ -234,12 +229,11 @@ class ChunkRewriter:
 
     def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
         self._transcript = transcript
-        reasoning = transcript.reasoning_text
-        self._echo_left = {
-            "content": prefill if echo is not False else "",
-            "reasoning_content": reasoning if echo is not False else "",
+        self._echo = {
+            "content": EchoStrip(prefill, echo),
+            "reasoning_content": EchoStrip(transcript.reasoning_text, echo),
         }
-        self._reasoning_done = bool(reasoning and transcript.content)
+        self._reasoning_done = bool(transcript.reasoning and transcript.content)
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None when nothing is left of it."""
@@ -263,7 +257,7 @@ class ChunkRewriter:
                 delta.pop("reasoning_content", None)
             for part in ("content", "reasoning_content"):
                 if delta.get(part):
-                    delta[part] = self._strip_echo(part, delta[part])
+                    delta[part] = self._echo[part](delta[part])
                     if not delta[part]:
                         del delta[part]
             if delta or choice.get("text") or choice.get("finish_reason") is not None:
@@ -272,21 +266,6 @@ class ChunkRewriter:
             chunk["usage"] = self._whole_answer_usage(chunk["usage"])
             keep = True
         return chunk if keep else None
-
-    def _strip_echo(self, part: str, text: str) -> str:
-        echo = self._echo_left[part]
-        if not echo:
-            return text
-        if text.startswith(echo):
-            self._echo_left[part] = ""
-            return text[len(echo) :]
-        if echo.startswith(text):
-            self._echo_left[part] = echo[len(text) :]
-            return ""
-        # The answer does not start with the prefill: either this server does not echo
-        # after all, or an echoing one diverged. Either way, never drop real text.
-        self._echo_left[part] = ""
-        return text
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Usage for the whole answer: every leg's completion tokens, and the prompt the

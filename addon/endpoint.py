@@ -19,8 +19,8 @@ from http import HTTPStatus
 
 import h11
 
-from addon.splice import SEP, Splice
-from addon.wire import ClientStream, Header, error_event
+from addon.splice import Splice
+from addon.wire import ClientStream, Header
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)
@@ -238,6 +238,6 @@ async def _run_until_client_leaves(
         # Fail safe: whatever broke, the client gets a readable end, not a cut connection.
         log.error("splice failed", exc_info=exc)
         if client.started:
-            client.end(error_event(f"spillover failed: {exc!r}") + SEP)
+            client.end(splice.dialect.error_end(f"spillover failed: {exc!r}"))
         else:
             client.respond(502, [(b"content-type", b"text/plain")], b"spillover failed\n")

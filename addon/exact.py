@@ -12,7 +12,7 @@ Its native events are turned back into chat chunks here.
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol
+from typing import Any
 
 from addon.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
 from addon.shape import constraint_of, positive_int
@@ -106,10 +106,6 @@ class NativeToChat:
                     "total_tokens": completion + prompt,
                 }
         return chunk
-
-
-class Rewriter(Protocol):
-    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
 
 
 class NativeRewriter:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from addon.continuation import ChunkRewriter, Transcript, continuation_body, prefill_of
-from addon.exact import NativeRewriter, NativeToChat, Rewriter, native_body
+from addon.continuation import ChunkRewriter, Transcript
+from addon.dialect import Dialect, Rewriter
+from addon.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff import Handoff, seeded_sampling
 from addon.servers import ServerDirectory, upper_bound
 from addon.shape import mapping
@@ -20,6 +21,7 @@ class NextLeg:
     def __init__(
         self,
         path: str,
+        dialect: Dialect,
         body: dict[str, Any],
         transcript: Transcript,
         primary: Upstream,
@@ -27,6 +29,7 @@ class NextLeg:
         asks_ids: bool,
     ) -> None:
         self.path = path
+        self.dialect = dialect
         self.body = body
         self.transcript = transcript
         self.primary = primary
@@ -58,10 +61,10 @@ class NextLeg:
         if native is not None:
             body, rewriter = native
             return "/completion", body, rewriter, "token ids"
-        body = continuation_body(self.body, self.transcript)
+        body = self.dialect.continuation(self.body, self.transcript)
         info = self._servers.get(upstream) if self._servers else None
-        rewriter = ChunkRewriter(
-            self.transcript, prefill_of(body) or "", info.echoes_prefill if info else None
+        rewriter = self.dialect.rewriter(
+            self.transcript, body, info.echoes_prefill if info else None
         )
         delivered = self.transcript.content or self.transcript.reasoning
         return self.path, body, rewriter, "text" if delivered else None
@@ -121,24 +124,24 @@ class NextLeg:
     def fits_without_asking(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer surely fits on `upstream`, known without a
         request (its slot size is unknown, or a bound from the text's size proves it)."""
-        if self._servers is None:
+        if self._servers is None or not self.dialect.sizes_rooms:
             return True
         context = self._servers.get(upstream).slot_context
         if context is None:
             return True
-        bound = upper_bound(continuation_body(self.body, self.transcript))
+        bound = upper_bound(self.dialect.continuation(self.body, self.transcript))
         return bound is not None and bound <= context
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before
         an asked-for handoff leaves a server that is still working)."""
-        body = continuation_body(self.body, self.transcript)
+        body = self.dialect.continuation(self.body, self.transcript)
         return await self._no_room(upstream, body) is None
 
     async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """Why `upstream` cannot take this continuation whole, or None if it can (or
         cannot tell: then it is tried, and a refusal moves on down the ladder)."""
-        if self._servers is None:
+        if self._servers is None or not self.dialect.sizes_rooms:
             return None
         context = self._servers.get(upstream).slot_context
         if context is None:

@@ -13,7 +13,7 @@ from typing import Any
 from mitmproxy import command, ctx, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from addon.carried import arrives_in_pieces, recorded, spliceable_body
+from addon.carried import SPLICED, arrives_in_pieces, recorded, spliceable
 from addon.control import CONTROL_PREFIX, Control, add_access_options
 from addon.credentials import Credentials, parse_keys
 from addon.endpoint import TOKEN_HEADER, SpliceEndpoint
@@ -144,7 +144,8 @@ class Spillover:
         self.servers.learn(self._known_primaries())
         self.servers.learn(self.fallbacks, fallbacks=True)
         log.info(
-            "spillover: carrying chat and text completions; fallbacks: %s",
+            "spillover: carrying %s; fallbacks: %s",
+            ", ".join(SPLICED),
             ", ".join(u.url for u in self.fallbacks) or "none",
         )
 
@@ -196,9 +197,9 @@ class Spillover:
             return
         if not self.endpoint.running:
             return
-        body = spliceable_body(flow.request)
-        if body is None:
+        if (carried := spliceable(flow.request)) is None:
             return
+        body, dialect = carried
         request = flow.request
         origin = (request.scheme, request.host, request.port)
         primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
@@ -206,6 +207,7 @@ class Spillover:
         ladder, route_note = self._ladder_for(primary, body)
         splice = Splice(
             path=request.path,
+            dialect=dialect,
             headers=list(request.headers.fields),
             body=body,
             raw_body=request.content or b"",

@@ -16,15 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from addon import sse
-from addon.continuation import (
-    Transcript,
-    cannot_continue,
-    token_limit,
-)
+from addon.continuation import Transcript, token_limit
 from addon.credentials import Credentials, redacted
+from addon.dialect import Dialect, Rewriter
 from addon.exact import (
-    Rewriter,
     asking_for_ids,
     client_wants_logprobs,
     eligible,
@@ -38,9 +33,8 @@ from addon.pace import Pace, PaceLimits
 from addon.pump import Pump
 from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
-from addon.wire import ClientStream, Header, error_event, forwardable, passed_back
+from addon.wire import ClientStream, Header, forwardable, passed_back
 
-SEP = sse.TERMINATOR
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 log = logging.getLogger(__name__)
 
@@ -50,6 +44,7 @@ class Splice:
         self,
         *,
         path: str,
+        dialect: Dialect,
         headers: Sequence[Header],
         body: dict[str, Any],
         raw_body: bytes,
@@ -73,6 +68,7 @@ class Splice:
         slot that holds the answer already (a shadow prefill's, see shadow.py);
         `migrator`: moves an answer's KV state to a server running the same model."""
         self.path = path
+        self.dialect = dialect
         # post() sets these itself for each upstream.
         self.headers = [
             (k, v)
@@ -101,8 +97,10 @@ class Splice:
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
         self._noted = 0  # handoffs told to the client
-        self.streaming = body.get("stream") is True
-        self._next = NextLeg(path, body, self.transcript, self.ladder[0], servers, self.asks_ids)
+        self.streaming = dialect.streaming(body)
+        self._next = NextLeg(
+            path, dialect, body, self.transcript, self.ladder[0], servers, self.asks_ids
+        )
         self._servers = servers
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
@@ -118,8 +116,8 @@ class Splice:
         self._finishing = False
         self._cancelled = False
         self._queued: list[bytes] = []
-        if route_note:
-            self._queued.append(sse.comment(f"spillover: {route_note}") + SEP)
+        if route_note and (note := dialect.note(f"spillover: {route_note}")):
+            self._queued.append(note)
         self._limits = pace or PaceLimits()
         self._pace: Pace | None = None  # the current leg's
 
@@ -149,7 +147,7 @@ class Splice:
         if not targets or not self.can_cut or self._moving:
             return None
         self.transcript.settle()
-        if cannot_continue(self.body, self.transcript) is not None:
+        if self.dialect.cannot_continue(self.body, self.transcript) is not None:
             return None
         decided = time.monotonic()
         if self._next.fits_without_asking(self.ladder[targets[0]]):
@@ -242,7 +240,7 @@ class Splice:
             if target is None:
                 target = self._rungs.after_failure()
             self.transcript.settle()
-            if (why := cannot_continue(self.body, self.transcript)) is not None:
+            if (why := self.dialect.cannot_continue(self.body, self.transcript)) is not None:
                 self._give_up(client, f"{failure}; {why}")
                 return
             if target is None:
@@ -268,9 +266,8 @@ class Splice:
     def _note(self, client: ClientStream) -> None:
         """Tell the client, in a comment line each, where and how the answer moved: every
         handoff not told yet (a leg dropped before it began left its own untold)."""
-        notes = [
-            sse.comment(f"spillover: {h.describe()}") + SEP for h in self.handoffs[self._noted :]
-        ]
+        untold = self.handoffs[self._noted :]
+        notes = [n for h in untold if (n := self.dialect.note(f"spillover: {h.describe()}"))]
         self._noted = len(self.handoffs)
         if client.started:
             client.write(b"".join(notes))
@@ -280,12 +277,11 @@ class Splice:
     def _give_up(self, client: ClientStream, failure: str) -> None:
         message = f"no server could continue this answer: {failure}"
         if client.started:
-            client.end(error_event(message) + SEP)
+            client.end(self.dialect.error_end(message))
         elif self._refusal is not None:
             client.respond(*self._refusal)  # the primary's own error
         else:
-            body = json.dumps({"error": {"code": 502, "message": message, "type": "server_error"}})
-            client.respond(502, [(b"content-type", b"application/json")], body.encode())
+            client.respond(502, *self.dialect.refusal(message))
 
     async def _leg(self, client: ClientStream) -> str | None:
         """Stream one leg into the client. None when the answer is complete, otherwise
@@ -390,8 +386,10 @@ class Splice:
                 client.write(b"".join(self._queued))
                 self._queued.clear()
             self.transcript.begin_leg(upstream.url)
+            strip = self._strip_pieces
+            reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
             pump = Pump(
-                client, self.transcript, rewriter, self._strip_pieces, self._pace,
+                client, self.transcript, reader, self._pace,
                 flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
             )  # fmt: skip
             failure = await pump.run(response.body(), upstream.url)

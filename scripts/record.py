@@ -22,8 +22,9 @@ from mitmproxy import io
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.ollama_upstream import OllamaUpstream
 from scripts.processes import free_port, running
-from scripts.prompts import TOOLS, chat_body
+from scripts.prompts import PROMPT, TOOLS, chat_body
 from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, cut_tool_call, sse_chunk
 from scripts.tinymodels import ensure_models, reasoning_template
 
@@ -57,15 +58,21 @@ class Recorder:
         print(f"{path}: {path.stat().st_size / 1000:.1f} kB")
 
 
-def stream(proxy: Mitmdump, body: dict, on_chunk: Callable[[int, int], None] | None = None) -> None:
-    """Stream an answer; `on_chunk(chunks, notes)` after each chunk: how many chunks came
-    since the last handoff note, and how many notes came."""
+def stream(
+    proxy: Mitmdump,
+    body: dict,
+    on_chunk: Callable[[int, int], None] | None = None,
+    path: str = "/v1/chat/completions",
+) -> None:
+    """Stream an answer; `on_chunk(chunks, notes)` after each chunk (an event's data, or
+    an NDJSON line): how many chunks came since the last handoff note, and how many notes
+    came."""
     chunks = notes = 0
-    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{proxy.url}{path}", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith(":"):
                 chunks, notes = 0, notes + 1
-            elif line.startswith("data: {"):
+            elif line.startswith(("data: {", "{")):
                 chunks += 1
                 if on_chunk is not None:
                     on_chunk(chunks, notes)
@@ -167,6 +174,34 @@ def tool_call(rec: Recorder) -> None:
     fallback.close()
 
 
+def messages_requested(rec: Recorder) -> None:
+    """An Anthropic Messages stream, a handoff asked for mid-answer."""
+    primary, fallback = rec.server(), rec.server("fallback")
+    body = {"model": "tiny", "max_tokens": 64, "messages": PROMPT, "stream": True}
+    with running(primary, fallback), rec.proxy("messages", primary.url, [fallback.url]) as p:
+        stream(p, {**body, "temperature": 0}, handoff_after(p, 6), "/v1/messages")
+
+
+def responses_killed(rec: Recorder) -> None:
+    """An OpenAI Responses stream whose primary was SIGKILLed mid-answer."""
+    primary, fallback = rec.server(), rec.server("fallback")
+    body = {"model": "tiny", "max_output_tokens": 64, "input": PROMPT[0]["content"]}
+    with running(primary, fallback), rec.proxy("responses", primary.url, [fallback.url]) as p:
+        body |= {"stream": True, "temperature": 0}
+        stream(p, body, lambda n, _: n == 8 and primary.kill(), "/v1/responses")
+
+
+def ollama_cut(rec: Recorder) -> None:
+    """Scripted Ollama servers (Ollama cannot run here): the primary dies mid-answer."""
+    primary, fallback = OllamaUpstream("primary", cut_after=6), OllamaUpstream("fallback")
+    with rec.proxy("ollama", primary.url, [fallback.url]) as p:
+        stream(
+            p, {"model": "m", "messages": PROMPT, "options": {"num_predict": 24}}, None, "/api/chat"
+        )
+    primary.close()
+    fallback.close()
+
+
 # Each scenario, and how many handoffs its answer must have had.
 SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
     "no-handoff": (no_handoff, 0),
@@ -179,6 +214,9 @@ SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
     "chained-ladder": (chained_ladder, 2),
     "reasoning": (reasoning, 1),
     "tool-call": (tool_call, 1),
+    "messages": (messages_requested, 1),
+    "responses": (responses_killed, 1),
+    "ollama": (ollama_cut, 1),
 }
 ATTEMPTS = 5
 

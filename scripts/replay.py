@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from mitmproxy import http, io
@@ -29,7 +30,11 @@ from scripts.mitm import Mitmdump
 from scripts.processes import free_port
 from scripts.replayserver import ReplayServer, request_difference
 
-VOLATILE = ("id", "created", "system_fingerprint", "timings")
+# Anywhere in an event: ids, times and durations the servers make up anew for each answer.
+VOLATILE = (
+    "id", "item_id", "created", "created_at", "system_fingerprint", "timings",
+    "total_duration", "load_duration", "prompt_eval_duration", "eval_duration",
+)  # fmt: skip
 PAUSE = re.compile(r", first byte after [0-9.]+ ms")
 # Handoffs asked for (replayed by asking again at the cut), and how a POST is described.
 ASKED = {"requested", "pressure", "slow"}
@@ -193,21 +198,35 @@ def _normalized(data: bytes, back: dict[str, str]) -> list:
         )
     text = PAUSE.sub("", text)
     events: list = []
-    for event in text.split("\n\n") if "data:" in text else [text]:
-        event = event.strip()
-        if not event:
-            continue
-        payload = event[5:].strip() if event.startswith("data:") else event
+    for event in _events(text):
+        lines = [line for line in event.split("\n") if line.startswith("data:")]
+        payload = "\n".join(line[5:].strip() for line in lines) if lines else event
         try:
             parsed = json.loads(payload)
         except ValueError:
             events.append(event)
             continue
-        if isinstance(parsed, dict):
-            for key in VOLATILE:
-                parsed.pop(key, None)
-        events.append(parsed)
+        events.append(_without_volatile(parsed))
     return events
+
+
+def _events(text: str) -> list[str]:
+    """A stream's events (SSE), lines (NDJSON) or its one whole JSON answer."""
+    if "data:" in text:
+        parts = text.split("\n\n")
+    elif text.count("\n") > 1:
+        parts = text.split("\n")
+    else:
+        parts = [text]
+    return [part.strip() for part in parts if part.strip()]
+
+
+def _without_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_without_volatile(v) for v in value]
+    return value
 
 
 def _compare(

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from addon import sse
+from addon.chat import ChatReader
 from addon.continuation import (
     ChunkRewriter,
     Transcript,
@@ -106,7 +107,9 @@ def test_length_body_stops_at_its_length() -> None:
 def delivered(*texts: str) -> Transcript:
     transcript = Transcript()
     transcript.begin_leg("http://primary")
-    transcript.record_raw(sse_chunk(role=True) + b"".join(sse_chunk(t) for t in texts))
+    reader = ChatReader(transcript, None, False, "http://primary")
+    block = sse_chunk(role=True) + b"".join(sse_chunk(t) for t in texts)
+    transcript.record_raw(block, reader.read_block)
     transcript.settle()
     return transcript
 

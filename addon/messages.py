@@ -1,0 +1,233 @@
+"""Anthropic Messages streams (/v1/messages), what coding agents built for Claude speak.
+
+The stream is one message of content blocks: `message_start`, then for each block a
+`content_block_start`, its deltas and a `content_block_stop`, then `message_delta` (the
+stop reason, usage) and `message_stop`. A continuation asks the next server for the same
+message with the answer so far as a partial assistant turn, and its events join the
+client's stream: no second `message_start`, its first block merged into the block the
+client has open (or that block closed first, when the next server starts another kind),
+block indexes shifted to follow the client's, one `message_delta` with the whole answer's
+usage, one `message_stop`. A tool_use block goes out whole, like a chat tool call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from addon import sse
+from addon.continuation import Transcript
+from addon.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.shape import text_of
+from addon.wire import Header, error_text
+
+SEP = sse.TERMINATOR
+JSON = [(b"content-type", b"application/json")]
+TOOL_BLOCKS = ("tool_use", "server_tool_use")
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    """An event as the Messages API frames it: its type named on an `event:` line too."""
+    return b"event: " + str(payload.get("type")).encode() + b"\n" + sse.encode(payload) + SEP
+
+
+class MessagesReader:
+    boundary = SEP
+    splitter = sse.EventSplitter
+    events = staticmethod(sse.events)
+
+    def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
+        self.transcript = transcript
+        self.rewriter = rewriter
+        self.server = server
+        self._tool: list[bytes] | None = None  # a tool_use block's events, until it is whole
+        self._tool_index: Any = None
+        self._finished = False
+
+    def plain(self, block: bytes) -> bool:
+        """Only text deltas, which nothing but the transcript needs to read."""
+        n = block.count(SEP)
+        return (
+            self.rewriter is None
+            and self._tool is None
+            and block.count(b'"type":"content_block_delta"') == n
+            and block.count(b'"type":"text_delta"') == n
+            and b'"error"' not in block
+        )
+
+    def take(self, event: bytes) -> list[Event] | str:
+        if sse.is_comment(event):
+            return [Event(Step.SEND, event + SEP)]
+        try:
+            payload = sse.parse(event)
+            if not isinstance(payload, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            return f"garbled event from {self.server}: {exc}"
+        if payload.get("type") == "error" or ("error" in payload and "type" not in payload):
+            return f"in-band error from {self.server}: {error_text(payload.get('error'))}"
+        if self.rewriter is None:
+            return self._sort(payload, event + SEP)
+        taken: list[Event] = []
+        for rewritten in self.rewriter.rewrite(payload):
+            taken += self._sort(rewritten, encode(rewritten))
+        return taken
+
+    def _sort(self, payload: dict[str, Any], data: bytes) -> list[Event]:
+        kind = payload.get("type")
+        if kind == "message_stop":
+            return [Event(Step.END, data)]
+        if self._finished or kind == "message_delta":
+            self._finished = True
+            return [Event(Step.FINISH, data)]
+        block = payload.get("content_block") or {}
+        if kind == "content_block_start" and block.get("type") in TOOL_BLOCKS:
+            self._tool, self._tool_index = [data], payload.get("index")
+            return []
+        if self._tool is not None:
+            self._tool.append(data)
+            if kind != "content_block_stop":
+                return []
+            whole, self._tool = b"".join(self._tool), None
+            return [Event(Step.SEND, whole, {"type": "tool_use", "index": self._tool_index})]
+        if kind == "content_block_stop":
+            return [Event(Step.HOLD, data, payload)]
+        return [Event(Step.SEND, data, payload)]
+
+    def record(self, payload: dict[str, Any]) -> None:
+        transcript, kind = self.transcript, payload.get("type")
+        if kind == "content_block_delta":
+            delta = payload.get("delta") or {}
+            transcript.add(delta.get("text"), delta.get("thinking"))
+        elif kind == "content_block_start":
+            block = payload.get("content_block") or {}
+            transcript.wire["block"] = (payload.get("index"), block.get("type"))
+            self._count_block(payload.get("index"))
+        elif kind == "content_block_stop":
+            transcript.wire.pop("block", None)
+        elif kind == "tool_use":
+            transcript.other_parts.add("tool calls")
+            self._count_block(payload.get("index"))
+        elif kind == "message_start":
+            message = payload.get("message") or {}
+            transcript.legs[-1].model = message.get("model")
+            if transcript.id is None:
+                transcript.id = message.get("id")
+
+    def _count_block(self, index: Any) -> None:
+        if isinstance(index, int):
+            self.transcript.wire["blocks"] = index + 1
+
+    def read_block(self, block: bytes) -> None:
+        for event in sse.events(block):
+            try:
+                payload = sse.parse(event)
+            except ValueError:
+                continue  # delivered as the server sent it; nothing to account for
+            if isinstance(payload, dict):
+                self.record(payload)
+
+    def close(self) -> bytes | None:
+        return encode({"type": "message_stop"}) if self._finished else None
+
+
+class MessagesRewriter:
+    """A continuation leg's events as the rest of the client's message."""
+
+    def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
+        self._transcript = transcript
+        self._echo = {"text": EchoStrip(prefill, echo)}
+        self._open = transcript.wire.get("block")  # (index, type) of the client's open block
+        self._shift: int | None = None  # from this leg's block indexes to the client's
+        self._merged: int | None = None  # this leg's block that continues the open one
+
+    def rewrite(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        kind = payload.get("type")
+        if kind == "message_start":
+            return []  # the client has its message
+        index = payload.get("index")
+        out: list[dict[str, Any]] = []
+        if kind == "content_block_start" and self._shift is None and isinstance(index, int):
+            block_type = (payload.get("content_block") or {}).get("type")
+            if self._open is None:
+                self._shift = self._next_index() - index
+            elif block_type == self._open[1]:
+                self._shift, self._merged = self._open[0] - index, index
+                return []  # the client's open block goes on
+            else:
+                out.append({"type": "content_block_stop", "index": self._open[0]})
+                self._shift = self._open[0] + 1 - index
+        if isinstance(index, int) and self._shift is not None:
+            payload["index"] = index + self._shift
+        if kind == "content_block_delta":
+            delta = payload.get("delta") or {}
+            if delta.get("type") == "text_delta" and index == self._merged:
+                delta["text"] = self._echo["text"](delta.get("text") or "")
+                if not delta["text"]:
+                    return out
+        if kind == "message_delta":
+            payload["usage"] = self._whole_answer_usage(payload.get("usage") or {})
+        return [*out, payload]
+
+    def _next_index(self) -> int:
+        return int(self._transcript.wire.get("blocks", 0))
+
+    def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        legs = self._transcript.legs
+        legs[-1].completion_tokens = int(usage.get("output_tokens") or 0)
+        return {**usage, "output_tokens": sum(leg.completion_tokens for leg in legs)}
+
+
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+class Messages:
+    name = "messages"
+    sizes_rooms = False
+
+    def accepts(self, body: dict[str, Any]) -> bool:
+        messages = body.get("messages")
+        return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+
+    def streaming(self, body: dict[str, Any]) -> bool:
+        return body.get("stream") is True
+
+    def reader(
+        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+    ) -> MessagesReader:
+        return MessagesReader(transcript, rewriter, server)
+
+    def note(self, text: str) -> bytes:
+        return sse.comment(text) + SEP
+
+    def error_end(self, message: str) -> bytes:
+        return encode({"type": "error", "error": {"type": "overloaded_error", "message": message}})
+
+    def refusal(self, message: str) -> tuple[list[Header], bytes]:
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return JSON, json.dumps(body).encode()
+
+    def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
+        if transcript.other_parts:
+            return "the answer so far has a tool call, which cannot be continued elsewhere"
+        if transcript.reasoning:
+            return "the answer so far has thinking, which is not carried in a Messages stream"
+        last = (body.get("messages") or [{}])[-1]
+        assistant = isinstance(last, dict) and last.get("role") == "assistant"
+        if assistant and text_of(last.get("content")) is None:
+            return "the client's assistant prefill is not plain text"
+        return None
+
+    def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
+        body = with_fewer_tokens(body, transcript.produced, ("max_tokens",))
+        if transcript.text:
+            body["messages"] = prefilled(body["messages"], transcript.text, _assistant)
+        return body
+
+    def rewriter(
+        self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
+    ) -> MessagesRewriter:
+        last = continuation["messages"][-1]
+        prefill = text_of(last.get("content")) if last.get("role") == "assistant" else ""
+        return MessagesRewriter(transcript, prefill or "", echo)

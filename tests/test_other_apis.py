@@ -1,0 +1,304 @@
+"""Anthropic Messages and OpenAI Responses streams carried across handoffs: real
+llama-servers (which serve both APIs), a real mitmdump with the addon, and the official
+clients (the `anthropic` SDK, the `openai` SDK's Responses streaming). Ollama streams are
+in test_ollama_api.py.
+
+The servers here run with --no-cache-prompt: these APIs drop llama-server's own
+`cache_prompt` field, and a prompt half-served from a slot's cache is computed in other
+batch shapes, which can flip a near-tie token of these random-weight models."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from scripts.llamaserver import LlamaServer
+from scripts.memfiles import FakeCard
+from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.processes import free_port
+from scripts.prompts import PROMPT
+from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
+from tests.streams import continuation, direct_text
+from tests.test_splice import handoff, held
+
+LONG = 800  # the tiny primary is still writing when a cut asked for at delta 12 lands
+NO_CACHE = ["--no-cache-prompt"]
+OnDelta = Callable[[int], Any]
+
+
+@pytest.fixture(scope="module")
+def servers(start_server_module) -> tuple[LlamaServer, LlamaServer]:
+    primary = start_server_module("primary", extra_args=NO_CACHE)
+    return primary, start_server_module("fallback", extra_args=NO_CACHE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_clients(servers) -> None:
+    """Each SDK takes up to half a second to build its event types on first use, while a
+    tiny model writes hundreds of tokens: read one short answer with each first."""
+    messages_stream(servers[0].url, 4)
+    responses_stream(servers[0].url, 4)
+
+
+@pytest.fixture(scope="module")
+def proxy(start_proxy_module, servers) -> Mitmdump:
+    primary, fallback = servers
+    mitm = start_proxy_module(primary.url, [fallback.url])
+    mitm.servers_known()
+    return mitm
+
+
+def last_handoff(proxy: Mitmdump) -> dict[str, Any]:
+    return httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"][-1]
+
+
+def asked_after(proxy: Mitmdump, primary: LlamaServer, deltas: int) -> OnDelta:
+    """Ask for a handoff once the client has `deltas` text deltas (the primary held still
+    meanwhile, so the cut lands there)."""
+
+    def on_delta(n: int) -> None:
+        if n == deltas:
+            with held(primary):
+                assert handoff(proxy, reason="test") == 1
+
+    return on_delta
+
+
+def assert_exact(
+    text: str, cut: dict[str, Any], primary: str, fallback: str, max_tokens: int
+) -> None:
+    """The primary's text up to the cut, then exactly the fallback's own continuation."""
+    before, after = text[: cut["at_char"]], text[cut["at_char"] :]
+    assert before and after
+    assert direct_text(primary, max_tokens).startswith(before)
+    assert after == continuation(fallback, before, max_tokens - cut["at_token"])
+
+
+# Anthropic Messages
+
+
+def messages_stream(url: str, max_tokens: int, on_delta: OnDelta | None = None):
+    """The raw events of a Messages stream, read by the anthropic SDK, and its text."""
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    events, text = [], ""
+    stream = client.messages.create(
+        model="tiny", max_tokens=max_tokens, messages=PROMPT, stream=True,
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    for event in stream:
+        events.append(event)
+        if event.type == "content_block_delta" and event.delta.type == "text_delta":
+            text += event.delta.text
+            if on_delta is not None:
+                on_delta(len([e for e in events if e.type == "content_block_delta"]))
+    return events, text
+
+
+def assert_one_message(events: list, text: str, max_tokens: int) -> None:
+    kinds = [e.type for e in events]
+    for kind in ("message_start", "content_block_start", "content_block_stop"):
+        assert kinds.count(kind) == 1, kinds
+    assert kinds.count("message_delta") == 1 and kinds[-1] == "message_stop"
+    assert kinds.count("message_stop") == 1
+    assert {e.index for e in events if e.type.startswith("content_block")} == {0}
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    assert delta.delta.stop_reason == "max_tokens"
+    assert delta.usage.output_tokens == max_tokens
+    assert len(text.split()) > max_tokens * 0.8
+
+
+def test_a_messages_stream_without_handoff_is_the_servers_own(servers, proxy) -> None:
+    primary, _ = servers
+    body = {"model": "tiny", "max_tokens": 40, "messages": PROMPT, "stream": True, "temperature": 0}
+
+    def raw(url: str) -> tuple[int, str, str]:
+        with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=60) as r:
+            data = r.read().decode()
+        ids = re.sub(r'"id":"[^"]+"', '"id":"-"', data)
+        return r.status_code, r.headers["content-type"], ids
+
+    assert raw(proxy.url) == raw(primary.url)
+
+
+def test_a_requested_handoff_continues_the_same_message(servers, proxy) -> None:
+    primary, fallback = servers
+    events, text = messages_stream(proxy.url, LONG, asked_after(proxy, primary, 12))
+    assert_one_message(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "requested" and cut["source"] == primary.url
+    assert_exact(text, cut, primary.url, fallback.url, LONG)
+    # The SDK's own accumulating helper reads the same stream into one message.
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="none", max_retries=0)
+    with client.messages.stream(
+        model="tiny", max_tokens=LONG, messages=PROMPT, extra_body={"temperature": 0}
+    ) as stream:
+        pieces = []
+        for piece in stream.text_stream:
+            pieces.append(piece)
+            if len(pieces) == 12:
+                with held(primary):
+                    assert handoff(proxy) == 1
+        message = stream.get_final_message()
+    assert message.usage.output_tokens == LONG and len(message.content) == 1
+    assert message.content[0].text == "".join(pieces)
+    assert_exact("".join(pieces), last_handoff(proxy), primary.url, fallback.url, LONG)
+
+
+def test_a_killed_primary_continues_the_same_message(start_server, start_proxy, servers) -> None:
+    _, fallback = servers
+    primary = start_server("primary", extra_args=NO_CACHE)
+    proxy = start_proxy(primary.url, [fallback.url])
+    events, text = messages_stream(proxy.url, LONG, lambda n: n == 15 and primary.kill())
+    assert_one_message(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "failure" and cut["at_token"] >= 14
+    again = start_server("primary", extra_args=NO_CACHE)
+    assert_exact(text, cut, again.url, fallback.url, LONG)
+
+
+def test_an_error_event_from_the_primary_hands_off(start_proxy, servers) -> None:
+    """Scripted primary: a real llama-server cannot send an error event on demand."""
+    _, fallback = servers
+    start = {"type": "message_start", "message": {"id": "msg_1", "type": "message",
+             "role": "assistant", "content": [], "model": "scripted", "usage": {}}}  # fmt: skip
+    block = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+
+    def delta(text: str) -> dict:
+        return {"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": text}}  # fmt: skip
+
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "out of memory"}}
+    events = [start, block, delta(" the"), delta(" river"), error]
+    sse = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+    fake = FakeUpstream([(STREAM_HEAD + chunked(*sse) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    got, text = messages_stream(proxy.url, 30)
+    assert_one_message(got, text, 30)
+    assert text.startswith(" the river")
+    assert text[len(" the river") :] == continuation(fallback.url, " the river", 28)
+    assert "out of memory" in last_handoff(proxy)["reason"]
+    fake.close()
+
+
+def test_a_whole_message_comes_from_the_fallback_when_the_primary_is_down(
+    start_proxy, servers
+) -> None:
+    _, fallback = servers
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [fallback.url])
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="none", max_retries=0)
+    message = client.messages.create(
+        model="tiny", max_tokens=24, messages=PROMPT, extra_body={"temperature": 0}
+    )
+    assert message.content[0].text == direct_text(fallback.url, 24)
+
+
+# OpenAI Responses
+
+
+def responses_stream(url: str, max_tokens: int, on_delta: OnDelta | None = None):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    events, text = [], ""
+    stream = client.responses.create(
+        model="tiny", input=PROMPT[0]["content"], max_output_tokens=max_tokens, stream=True,
+        temperature=0,
+    )  # fmt: skip
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+            if on_delta is not None:
+                on_delta(len([e for e in events if e.type == event.type]))
+    return events, text
+
+
+def assert_one_response(events: list, text: str, max_tokens: int) -> None:
+    kinds = [e.type for e in events]
+    for kind in (
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ):  # fmt: skip
+        assert kinds.count(kind) == 1, (kind, kinds)
+    assert kinds[-1] == "response.completed"
+    created, item = events[0].response, events[kinds.index("response.output_item.added")].item
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {item.id}
+    assert events[kinds.index("response.output_text.done")].text == text
+    completed = events[-1].response
+    assert completed.id == created.id and completed.output[0].id == item.id
+    assert completed.output_text == text
+    assert completed.usage.output_tokens == max_tokens
+    assert len(text.split()) > max_tokens * 0.8
+
+
+def test_a_responses_stream_without_handoff_is_the_servers_own(servers, proxy) -> None:
+    primary, _ = servers
+    body = {
+        "model": "tiny",
+        "input": "Hello",
+        "max_output_tokens": 40,
+        "stream": True,
+        "temperature": 0,
+    }
+    volatile = re.compile(r'"(id|item_id|created_at)":("[^"]+"|\d+)|"timings":\{[^}]*\}')
+
+    def raw(url: str) -> tuple[int, str, str]:
+        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as r:
+            data = r.read().decode()
+        return r.status_code, r.headers["content-type"], volatile.sub("-", data)
+
+    assert raw(proxy.url) == raw(primary.url)
+
+
+def test_a_requested_handoff_continues_the_same_response(servers, proxy) -> None:
+    primary, fallback = servers
+    events, text = responses_stream(proxy.url, LONG, asked_after(proxy, primary, 12))
+    assert_one_response(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "requested"
+    assert_exact(text, cut, primary.url, fallback.url, LONG)
+
+
+def test_a_killed_primary_continues_the_same_response(start_server, start_proxy, servers) -> None:
+    _, fallback = servers
+    primary = start_server("primary", extra_args=NO_CACHE)
+    proxy = start_proxy(primary.url, [fallback.url])
+    events, text = responses_stream(proxy.url, LONG, lambda n: n == 15 and primary.kill())
+    assert_one_response(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "failure" and cut["at_token"] >= 14
+    again = start_server("primary", extra_args=NO_CACHE)
+    assert_exact(text, cut, again.url, fallback.url, LONG)
+
+
+# Both, under memory pressure
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_pressure_on_the_primarys_card_hands_off(
+    api: str, start_proxy, servers, tmp_path: Path
+) -> None:
+    primary, fallback = servers
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    proxy = start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on))
+    read = messages_stream if api == "messages" else responses_stream
+    check = assert_one_message if api == "messages" else assert_one_response
+    events, text = read(proxy.url, LONG, lambda n: n == 12 and card0.set_used(15041))
+    check(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "pressure" and "drm:card0" in cut["reason"]
+    assert_exact(text, cut, primary.url, fallback.url, LONG)

@@ -1,0 +1,179 @@
+"""The wire formats' own logic, event by event: what a first leg's events are to the
+pump, and how a continuation leg's events are rewritten into the client's stream. The
+end-to-end proof with real servers and official clients is in test_other_apis.py and
+test_ollama_api.py; these cover what llama-server does not send (sequence numbers,
+output indexes, a fallback that opens another kind of block, a tool call)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from addon.continuation import Transcript
+from addon.dialect import Step
+from addon.messages import Messages, MessagesReader, MessagesRewriter
+from addon.ollama import LineSplitter, Ollama, OllamaReader
+from addon.responses import Responses, ResponsesReader, ResponsesRewriter
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}".encode()
+
+
+def delivered(reader_type, payloads: list[dict[str, Any]]) -> Transcript:
+    """A transcript of a first leg whose events all went out."""
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    reader = reader_type(transcript, None, "http://primary")
+    for payload in payloads:
+        for taken in reader.take(event(payload)):
+            if taken.payload is not None:
+                reader.record(taken.payload)
+    return transcript
+
+
+def text_delta(text: str, index: int = 0) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index,
+            "delta": {"type": "text_delta", "text": text}}  # fmt: skip
+
+
+def block_start(index: int, kind: str = "text") -> dict[str, Any]:
+    return {"type": "content_block_start", "index": index, "content_block": {"type": kind}}
+
+
+MESSAGE_START = {"type": "message_start", "message": {"id": "msg_1", "model": "big"}}
+
+
+def test_a_messages_continuation_goes_on_in_the_open_block() -> None:
+    transcript = delivered(MessagesReader, [MESSAGE_START, block_start(0), text_delta(" the")])
+    assert transcript.text == " the" and transcript.wire["block"] == (0, "text")
+    body = Messages().continuation(
+        {"messages": [{"role": "user", "content": "q"}], "max_tokens": 10}, transcript
+    )
+    assert body["max_tokens"] == 9
+    assert body["messages"][-1] == {"role": "assistant",
+                                    "content": [{"type": "text", "text": " the"}]}  # fmt: skip
+    rewriter = MessagesRewriter(transcript, " the", echo=True)
+    transcript.begin_leg("http://fallback")
+    out = [
+        *rewriter.rewrite({"type": "message_start", "message": {"id": "msg_2"}}),
+        *rewriter.rewrite(block_start(0)),
+        *rewriter.rewrite(text_delta(" the river")),
+        *rewriter.rewrite({"type": "content_block_stop", "index": 0}),
+        *rewriter.rewrite({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                           "usage": {"output_tokens": 9}}),
+    ]  # fmt: skip
+    assert out == [
+        text_delta(" river"),
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+         "usage": {"output_tokens": 10}},
+    ]  # fmt: skip
+
+
+def test_a_fallback_that_opens_another_kind_of_block_closes_the_clients_first() -> None:
+    transcript = delivered(MessagesReader, [MESSAGE_START, block_start(0), text_delta(" a")])
+    rewriter = MessagesRewriter(transcript, " a", echo=False)
+    assert rewriter.rewrite(block_start(0, "thinking")) == [
+        {"type": "content_block_stop", "index": 0},
+        block_start(1, "thinking"),
+    ]
+    assert rewriter.rewrite(block_start(1)) == [block_start(2)]
+
+
+def test_a_tool_use_block_goes_out_whole_and_ends_what_can_be_continued() -> None:
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    reader = MessagesReader(transcript, None, "http://primary")
+    assert [e.step for e in reader.take(event({"type": "content_block_stop", "index": 0}))] == [
+        Step.HOLD
+    ]
+    assert reader.take(event(block_start(1, "tool_use"))) == []
+    json_delta = {"type": "content_block_delta", "index": 1,
+                  "delta": {"type": "input_json_delta", "partial_json": "{}"}}  # fmt: skip
+    assert reader.take(event(json_delta)) == []
+    (whole,) = reader.take(event({"type": "content_block_stop", "index": 1}))
+    assert whole.step is Step.SEND and whole.data.count(b"event: ") == 3
+    reader.record(whole.payload)
+    assert Messages().cannot_continue({"messages": []}, transcript) is not None
+    assert [e.step for e in reader.take(event({"type": "message_delta"}))] == [Step.FINISH]
+    assert reader.close() == b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+
+def response_events(item: str, seq: int, at: int) -> list[dict[str, Any]]:
+    return [
+        {"type": "response.created", "response": {"id": f"resp_{item}"}, "sequence_number": seq},
+        {"type": "response.output_item.added", "output_index": at, "sequence_number": seq + 1,
+         "item": {"type": "message", "id": item, "content": []}},
+        {"type": "response.content_part.added", "item_id": item, "output_index": at,
+         "content_index": 0, "sequence_number": seq + 2},
+    ]  # fmt: skip
+
+
+def test_a_responses_continuation_numbers_and_indexes_its_events_as_the_clients() -> None:
+    first = [*response_events("msg_a", 0, 1)]
+    first.append({"type": "response.output_text.delta", "item_id": "msg_a", "output_index": 1,
+                  "content_index": 0, "delta": " the", "sequence_number": 3})  # fmt: skip
+    transcript = delivered(ResponsesReader, first)
+    assert transcript.wire == {"seq": 3, "response": "resp_msg_a", "item": "msg_a",
+                               "output_index": 1}  # fmt: skip
+    body = Responses().continuation({"input": "q", "max_output_tokens": 5}, transcript)
+    assert body["input"] == [
+        {"role": "user", "content": "q"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": " the"}]},
+    ]  # fmt: skip
+    assert body["max_output_tokens"] == 4
+    transcript.begin_leg("http://fallback")
+    rewriter = ResponsesRewriter(transcript, " the", echo=None)
+    assert all(rewriter.rewrite(e) == [] for e in response_events("msg_b", 0, 0))
+    (delta,) = rewriter.rewrite({"type": "response.output_text.delta", "item_id": "msg_b",
+                                 "output_index": 0, "content_index": 0, "delta": " the river",
+                                 "sequence_number": 3})  # fmt: skip
+    assert delta == {"type": "response.output_text.delta", "item_id": "msg_a", "output_index": 1,
+                     "content_index": 0, "delta": " river", "sequence_number": 4}  # fmt: skip
+    transcript.add(" river")
+    text_done = {"type": "response.output_text.done", "item_id": "msg_b", "output_index": 0,
+                 "text": " river", "sequence_number": 4}  # fmt: skip
+    (done,) = rewriter.rewrite(text_done)
+    assert done["text"] == " the river" and done["sequence_number"] == 5
+    completed = {"type": "response.completed", "sequence_number": 7, "response": {
+        "id": "resp_msg_b", "output": [{"type": "message", "id": "msg_b",
+                                        "content": [{"type": "output_text", "text": " river"}]}],
+        "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}}  # fmt: skip
+    (end,) = rewriter.rewrite(completed)
+    response = end["response"]
+    assert response["id"] == "resp_msg_a" and end["sequence_number"] == 6
+    assert response["output"][0]["id"] == "msg_a"
+    assert response["output"][0]["content"][0]["text"] == " the river"
+    assert response["usage"] == {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
+
+
+def test_a_response_whose_server_died_after_its_text_ends_whole() -> None:
+    transcript = delivered(ResponsesReader, response_events("msg_a", 0, 0))
+    reader = ResponsesReader(transcript, None, "http://primary")
+    assert reader.close() is None  # mid-answer: a cut, handed off
+    done = {"type": "response.output_text.done", "item_id": "msg_a", "text": ""}
+    assert [e.step for e in reader.take(event(done))] == [Step.FINISH]
+    end = json.loads(reader.close().split(b"data: ")[1])
+    assert end["type"] == "response.completed"
+    assert end["response"]["id"] == "resp_msg_a"
+    assert end["response"]["output"][0]["id"] == "msg_a"
+
+
+def test_ollama_lines_split_across_reads_arrive_whole() -> None:
+    splitter = LineSplitter()
+    assert splitter.feed(b'{"a":1}\n{"b"') == b'{"a":1}\n'
+    assert splitter.feed(b":2}\n") == b'{"b":2}\n'
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    reader = OllamaReader(transcript, None, "http://primary")
+    assert reader.take(b'{"error":"boom"}') == "in-band error from http://primary: boom"
+    assert reader.take(b"not json").startswith("garbled line from http://primary")
+    (piece,) = reader.take(b'{"message":{"role":"assistant","content":" the"},"done":false}')
+    reader.record(piece.payload)
+    (last,) = reader.take(b'{"message":{"content":""},"done":true}')
+    assert last.step is Step.END
+    body = Ollama().continuation({"messages": [], "options": {"num_predict": 3}}, transcript)
+    assert body == {"messages": [{"role": "assistant", "content": " the"}],
+                    "options": {"num_predict": 2}}  # fmt: skip
