@@ -8,6 +8,8 @@ client's stream: no second `message_start`, its first block merged into the bloc
 client has open (or that block closed first, when the next server starts another kind),
 block indexes shifted to follow the client's, one `message_delta` with the whole answer's
 usage, one `message_stop`. A tool_use block goes out whole, like a chat tool call.
+Thinking carries over as in chat: cut while thinking, the next server goes on with the
+thinking block; cut after the text began, its restatement of the thinking is dropped.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ class MessagesReader:
         self._finished = False
 
     def plain(self, block: bytes) -> bool:
-        """Only text deltas, which nothing but the transcript needs to read."""
+        """Only text and thinking deltas, which nothing but the transcript needs to read."""
         n = block.count(SEP)
         return (
             self.rewriter is None
             and self._tool is None
             and block.count(b'"type":"content_block_delta"') == n
-            and block.count(b'"type":"text_delta"') == n
+            and block.count(b'"type":"text_delta"') + block.count(b'"type":"thinking_delta"') == n
             and b'"error"' not in block
         )
 
@@ -136,10 +138,14 @@ class MessagesRewriter:
 
     def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
         self._transcript = transcript
-        self._echo = {"text": EchoStrip(prefill, echo)}
+        self._echo = {
+            "text_delta": ("text", EchoStrip(prefill, echo)),
+            "thinking_delta": ("thinking", EchoStrip(transcript.reasoning_text, echo)),
+        }
         self._open = transcript.wire.get("block")  # (index, type) of the client's open block
         self._shift: int | None = None  # from this leg's block indexes to the client's
         self._merged: int | None = None  # this leg's block that continues the open one
+        self._dropped: int | None = None  # this leg's restatement of finished thinking
 
     def rewrite(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         kind = payload.get("type")
@@ -147,8 +153,13 @@ class MessagesRewriter:
             return []  # the client has its message
         index = payload.get("index")
         out: list[dict[str, Any]] = []
+        if index is not None and index == self._dropped:
+            return []
         if kind == "content_block_start" and self._shift is None and isinstance(index, int):
             block_type = (payload.get("content_block") or {}).get("type")
+            if block_type == "thinking" and self._transcript.content:
+                self._dropped = index  # the thinking the client has whole, restated
+                return []
             if self._open is None:
                 self._shift = self._next_index() - index
             elif block_type == self._open[1]:
@@ -159,11 +170,12 @@ class MessagesRewriter:
                 self._shift = self._open[0] + 1 - index
         if isinstance(index, int) and self._shift is not None:
             payload["index"] = index + self._shift
-        if kind == "content_block_delta":
+        if kind == "content_block_delta" and index == self._merged:
             delta = payload.get("delta") or {}
-            if delta.get("type") == "text_delta" and index == self._merged:
-                delta["text"] = self._echo["text"](delta.get("text") or "")
-                if not delta["text"]:
+            if (echo := self._echo.get(delta.get("type"))) is not None:
+                field, strip = echo
+                delta[field] = strip(delta.get(field) or "")
+                if not delta[field]:
                     return out
         if kind == "message_delta":
             payload["usage"] = self._whole_answer_usage(payload.get("usage") or {})
@@ -178,13 +190,16 @@ class MessagesRewriter:
         return {**usage, "output_tokens": sum(leg.completion_tokens for leg in legs)}
 
 
-def _assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+def _assistant(text: str, thought: str) -> dict[str, Any]:
+    thinking = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    texts = [{"type": "text", "text": text}] if text else []
+    return {"role": "assistant", "content": [*thinking, *texts]}
 
 
 class Messages:
     name = "messages"
     sizes_rooms = False
+    pins_slots = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
         messages = body.get("messages")
@@ -211,8 +226,6 @@ class Messages:
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a tool call, which cannot be continued elsewhere"
-        if transcript.reasoning:
-            return "the answer so far has thinking, which is not carried in a Messages stream"
         last = (body.get("messages") or [{}])[-1]
         assistant = isinstance(last, dict) and last.get("role") == "assistant"
         if assistant and text_of(last.get("content")) is None:
@@ -221,13 +234,18 @@ class Messages:
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
         body = with_fewer_tokens(body, transcript.produced, ("max_tokens",))
-        if transcript.text:
-            body["messages"] = prefilled(body["messages"], transcript.text, _assistant)
+        thought = transcript.reasoning_text
+        if transcript.text or thought:
+            message = lambda text: _assistant(text, thought)  # noqa: E731
+            body["messages"] = prefilled(body["messages"], transcript.text, message)
         return body
 
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> MessagesRewriter:
-        last = continuation["messages"][-1]
-        prefill = text_of(last.get("content")) if last.get("role") == "assistant" else ""
-        return MessagesRewriter(transcript, prefill or "", echo)
+        last, prefill = continuation["messages"][-1], ""
+        if last.get("role") == "assistant" and isinstance(content := last.get("content"), list):
+            prefill = text_of([p for p in content if p.get("type") == "text"]) or ""
+        elif last.get("role") == "assistant":
+            prefill = text_of(last.get("content")) or ""
+        return MessagesRewriter(transcript, prefill, echo)

@@ -129,6 +129,7 @@ def _assistant(text: str) -> dict[str, Any]:
 class Ollama:
     name = "ollama"
     sizes_rooms = False
+    pins_slots = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
         messages = body.get("messages")

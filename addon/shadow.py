@@ -250,6 +250,7 @@ class Shadows:
         shadow = self.by_answer.get(answer)
         wanted = (
             splice.streaming
+            and splice.dialect.pins_slots
             and splice.body.get("cache_prompt") is not False
             and (mode == "always" or (mode == "near" and self.near(splice.current.url)))
         )

@@ -26,12 +26,14 @@ from scripts.mitm import Mitmdump, watch_sysfs
 from scripts.processes import free_port
 from scripts.prompts import PROMPT
 from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
+from scripts.tinymodels import reasoning_template
 from tests.streams import continuation, direct_text
 from tests.test_splice import handoff, held
 
 LONG = 800  # the tiny primary is still writing when a cut asked for at delta 12 lands
 NO_CACHE = ["--no-cache-prompt"]
 OnDelta = Callable[[int], Any]
+DELTAS = ("response.output_text.delta", "response.reasoning_text.delta")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +97,8 @@ def messages_stream(url: str, max_tokens: int, on_delta: OnDelta | None = None):
     )  # fmt: skip
     for event in stream:
         events.append(event)
-        if event.type == "content_block_delta" and event.delta.type == "text_delta":
-            text += event.delta.text
+        if event.type == "content_block_delta":
+            text += getattr(event.delta, "text", "")
             if on_delta is not None:
                 on_delta(len([e for e in events if e.type == "content_block_delta"]))
     return events, text
@@ -216,10 +218,10 @@ def responses_stream(url: str, max_tokens: int, on_delta: OnDelta | None = None)
     )  # fmt: skip
     for event in stream:
         events.append(event)
-        if event.type == "response.output_text.delta":
-            text += event.delta
+        if event.type in DELTAS:
+            text += event.delta if event.type == DELTAS[0] else ""
             if on_delta is not None:
-                on_delta(len([e for e in events if e.type == event.type]))
+                on_delta(len([e for e in events if e.type in DELTAS]))
     return events, text
 
 
@@ -302,3 +304,56 @@ def test_pressure_on_the_primarys_card_hands_off(
     cut = last_handoff(proxy)
     assert cut["kind"] == "pressure" and "drm:card0" in cut["reason"]
     assert_exact(text, cut, primary.url, fallback.url, LONG)
+
+
+# Reasoning: the same model on both sides, so the reasoning across a cut is the
+# uninterrupted answer's (the tiny model, left alone, reasons to the end of the answer).
+
+
+@pytest.fixture(scope="module")
+def thinkers(models, start_server_module, start_proxy_module):
+    template = str(reasoning_template(models["primary"].parent))
+    args = ["--chat-template-file", template, "--ubatch-size", "32", *NO_CACHE]
+    first = start_server_module("primary", extra_args=args)
+    second = start_server_module("primary", extra_args=args)
+    proxy = start_proxy_module(first.url, [second.url])
+    proxy.servers_known()
+    return first, proxy
+
+
+def thoughts(events: list, kind: str) -> str:
+    return "".join(
+        getattr(e.delta, "thinking", "") if kind == "messages" else e.delta
+        for e in events
+        if (kind == "messages" and e.type == "content_block_delta")
+        or e.type == "response.reasoning_text.delta"
+    )
+
+
+def test_messages_thinking_cut_midway_goes_on_in_the_same_block(thinkers) -> None:
+    first, proxy = thinkers
+    whole, _ = messages_stream(first.url, 200)
+    events, text = messages_stream(proxy.url, 200, asked_after(proxy, first, 12))
+    assert text == "" and last_handoff(proxy)["at_token"] >= 12
+    assert thoughts(events, "messages") == thoughts(whole, "messages")
+    kinds = [e.type for e in events]
+    assert kinds.count("content_block_start") == 1 and kinds.count("message_stop") == 1
+    assert events[1].content_block.type == "thinking"
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    assert delta.usage.output_tokens == 200
+
+
+def test_responses_reasoning_cut_midway_goes_on_in_the_same_item(thinkers) -> None:
+    first, proxy = thinkers
+    whole, _ = responses_stream(first.url, 200)
+    events, text = responses_stream(proxy.url, 200, asked_after(proxy, first, 12))
+    assert text == "" and last_handoff(proxy)["at_token"] >= 12
+    reasoning = thoughts(events, "responses")
+    assert reasoning == thoughts(whole, "responses")
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_item.added") == 1
+    assert kinds.count("response.output_item.done") == 1
+    (item,) = events[-1].response.output
+    assert item.type == "reasoning" and item.content[0].text == reasoning
+    assert item.id == events[kinds.index("response.output_item.added")].item.id
+    assert events[-1].response.usage.output_tokens == 200

@@ -50,11 +50,14 @@ def test_the_recordings_cover_every_kind_of_handoff() -> None:
                 kinds.add("died mid-answer")
             if answer.response.headers.get("x-spillover-handoff"):
                 kinds.add("whole answer")
+            if meta["handoffs"]:
+                kinds.add(f"api {answer.request.path}")
             for kind in kinds:
                 seen.setdefault(kind, set()).add(path.stem)
     wanted = {
         "none", "requested", "pressure", "failure", "chain", "reasoning", "tool call",
         "before the first token", "in-band error", "died mid-answer", "whole answer",
+        "api /v1/chat/completions", "api /v1/messages", "api /v1/responses", "api /api/chat",
     }  # fmt: skip
     assert wanted <= set(seen), sorted(wanted - set(seen))
 

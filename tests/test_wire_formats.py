@@ -71,14 +71,42 @@ def test_a_messages_continuation_goes_on_in_the_open_block() -> None:
     ]  # fmt: skip
 
 
+def thinking_delta(text: str, index: int = 0) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index,
+            "delta": {"type": "thinking_delta", "thinking": text}}  # fmt: skip
+
+
 def test_a_fallback_that_opens_another_kind_of_block_closes_the_clients_first() -> None:
-    transcript = delivered(MessagesReader, [MESSAGE_START, block_start(0), text_delta(" a")])
-    rewriter = MessagesRewriter(transcript, " a", echo=False)
-    assert rewriter.rewrite(block_start(0, "thinking")) == [
-        {"type": "content_block_stop", "index": 0},
-        block_start(1, "thinking"),
+    thinking = [MESSAGE_START, block_start(0, "thinking"), thinking_delta(" hm")]
+    transcript = delivered(MessagesReader, thinking)
+    assert transcript.reasoning_text == " hm" and not transcript.text
+    body = Messages().continuation({"messages": [], "max_tokens": 9}, transcript)
+    assert body["messages"][-1]["content"] == [
+        {"type": "thinking", "thinking": " hm", "signature": ""}
     ]
-    assert rewriter.rewrite(block_start(1)) == [block_start(2)]
+    rewriter = MessagesRewriter(transcript, "", echo=True)
+    assert rewriter.rewrite(block_start(0)) == [
+        {"type": "content_block_stop", "index": 0},
+        block_start(1),
+    ]
+    assert rewriter.rewrite(text_delta(" so")) == [text_delta(" so", 1)]
+
+
+def test_thinking_goes_on_in_the_clients_block_and_a_restatement_is_dropped() -> None:
+    thinking = [MESSAGE_START, block_start(0, "thinking"), thinking_delta(" hm")]
+    going_on = MessagesRewriter(delivered(MessagesReader, thinking), "", echo=True)
+    assert going_on.rewrite(block_start(0, "thinking")) == []
+    assert going_on.rewrite(thinking_delta(" hm, yes")) == [thinking_delta(", yes")]
+    answered = [*thinking, {"type": "content_block_stop", "index": 0}, block_start(1),
+                text_delta(" So")]  # fmt: skip
+    transcript = delivered(MessagesReader, answered)
+    assert transcript.wire["block"] == (1, "text")
+    restating = MessagesRewriter(transcript, " So", echo=True)
+    assert restating.rewrite(block_start(0, "thinking")) == []
+    assert restating.rewrite(thinking_delta(" hm")) == []
+    assert restating.rewrite({"type": "content_block_stop", "index": 0}) == []
+    assert restating.rewrite(block_start(1)) == []
+    assert restating.rewrite(text_delta(" So it", 1)) == [text_delta(" it", 1)]
 
 
 def test_a_tool_use_block_goes_out_whole_and_ends_what_can_be_continued() -> None:
@@ -115,8 +143,8 @@ def test_a_responses_continuation_numbers_and_indexes_its_events_as_the_clients(
     first.append({"type": "response.output_text.delta", "item_id": "msg_a", "output_index": 1,
                   "content_index": 0, "delta": " the", "sequence_number": 3})  # fmt: skip
     transcript = delivered(ResponsesReader, first)
-    assert transcript.wire == {"seq": 3, "response": "resp_msg_a", "item": "msg_a",
-                               "output_index": 1}  # fmt: skip
+    assert transcript.wire == {"seq": 3, "response": "resp_msg_a", "open": "message",
+                               "items": {"message": ("msg_a", 1)}, "next": 2}  # fmt: skip
     body = Responses().continuation({"input": "q", "max_output_tokens": 5}, transcript)
     assert body["input"] == [
         {"role": "user", "content": "q"},
@@ -177,3 +205,58 @@ def test_ollama_lines_split_across_reads_arrive_whole() -> None:
     body = Ollama().continuation({"messages": [], "options": {"num_predict": 3}}, transcript)
     assert body == {"messages": [{"role": "assistant", "content": " the"}],
                     "options": {"num_predict": 2}}  # fmt: skip
+
+
+def reasoning_added(item: str) -> dict[str, Any]:
+    return {"type": "response.output_item.added",
+            "item": {"type": "reasoning", "id": item, "summary": [], "content": []}}  # fmt: skip
+
+
+def reasoning_delta(item: str, text: str) -> dict[str, Any]:
+    return {"type": "response.reasoning_text.delta", "item_id": item, "delta": text}
+
+
+def test_responses_reasoning_goes_on_in_the_clients_item_then_a_message_follows() -> None:
+    created = {"type": "response.created", "response": {"id": "resp_a"}}
+    transcript = delivered(ResponsesReader, [created, reasoning_added("rs_a"),
+                                             reasoning_delta("rs_a", " hm")])  # fmt: skip
+    body = Responses().continuation({"input": "q"}, transcript)
+    thought = [{"type": "reasoning_text", "text": " hm"}]
+    assert body["input"][-1] == {"type": "reasoning", "summary": [], "content": thought}
+    transcript.begin_leg("http://fallback")
+    rewriter = ResponsesRewriter(transcript, "", echo=True)
+    assert rewriter.rewrite({**created, "response": {"id": "resp_b"}}) == []
+    assert rewriter.rewrite(reasoning_added("rs_b")) == []
+    assert rewriter.rewrite(reasoning_delta("rs_b", " hm, so")) == [reasoning_delta("rs_a", ", so")]
+    transcript.add(None, ", so")
+    (done,) = rewriter.rewrite({"type": "response.output_item.done",
+                                "item": {"type": "reasoning", "id": "rs_b"}})  # fmt: skip
+    assert done["item"]["id"] == "rs_a"
+    assert done["item"]["content"] == [{"type": "reasoning_text", "text": " hm, so"}]
+    message = {"type": "response.output_item.added", "item": {"type": "message", "id": "m_b"}}
+    assert rewriter.rewrite(message) == [message]  # the client's reasoning was closed already
+    transcript.add(" Yes")
+    completed = {"type": "response.completed", "response": {"id": "resp_b", "output": [
+        {"type": "message", "id": "m_b", "content": [{"type": "output_text", "text": " Yes"}]},
+    ]}}  # fmt: skip
+    (end,) = rewriter.rewrite(completed)
+    assert [(i["type"], i["id"]) for i in end["response"]["output"]] == [
+        ("reasoning", "rs_a"),
+        ("message", "m_b"),
+    ]
+
+
+def test_responses_reasoning_restated_after_the_text_began_is_dropped() -> None:
+    first = [*response_events("msg_a", 0, 1)]
+    first[1:1] = [reasoning_added("rs_a") | {"output_index": 0}, reasoning_delta("rs_a", " hm")]
+    first.append({"type": "response.output_text.delta", "item_id": "msg_a", "delta": " So"})
+    transcript = delivered(ResponsesReader, first)
+    rewriter = ResponsesRewriter(transcript, " So", echo=True)
+    assert rewriter.rewrite(reasoning_added("rs_b") | {"output_index": 0}) == []
+    assert rewriter.rewrite(reasoning_delta("rs_b", " hm")) == []
+    added = {"type": "response.output_item.added", "output_index": 1,
+             "item": {"type": "message", "id": "msg_b"}}  # fmt: skip
+    assert rewriter.rewrite(added) == []
+    (delta,) = rewriter.rewrite({"type": "response.output_text.delta", "item_id": "msg_b",
+                                 "output_index": 1, "delta": " So it"})  # fmt: skip
+    assert (delta["item_id"], delta["delta"], delta["output_index"]) == ("msg_a", " it", 1)
