@@ -72,7 +72,7 @@ class Pump:
                 await client.drain()
         if (last := reader.close()) is not None:
             # The server finished its answer and died before its last event: it is whole.
-            client.end(b"".join(e.data for e in self._held) + last)
+            self._end([e.data for e in self._held], last)
             return None
         self.closed = True
         return f"{server} closed the stream mid-answer"
@@ -81,7 +81,7 @@ class Pump:
         """Send, hold or end with each event; True when the stream has ended."""
         for event in taken:
             if event.step is Step.END:
-                self.client.end(b"".join([*out, *(e.data for e in self._held), event.data]))
+                self._end([*out, *(e.data for e in self._held)], event.data)
                 return True
             if event.step is Step.SEND:
                 for held in self._held:  # only ever HOLD events: none is the answer's end
@@ -95,6 +95,11 @@ class Pump:
                 self.finishing()
             self._held.append(event)
         return False
+
+    def _end(self, out: list[bytes], last: bytes) -> None:
+        if out:
+            self.flush(out)  # through the splice, which times a handoff's pause by it
+        self.client.end(last)
 
     def _record(self, event: Event) -> None:
         if event.payload is not None:

@@ -10,7 +10,9 @@ batch shapes, which can flip a near-tie token of these random-weight models."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -357,3 +359,44 @@ def test_responses_reasoning_cut_midway_goes_on_in_the_same_item(thinkers) -> No
     assert item.type == "reasoning" and item.content[0].text == reasoning
     assert item.id == events[kinds.index("response.output_item.added")].item.id
     assert events[-1].response.usage.output_tokens == 200
+
+
+def test_an_error_event_in_a_responses_stream_hands_off(start_proxy, servers) -> None:
+    """Scripted primary: a real llama-server cannot send an error event on demand."""
+    _, fallback = servers
+    item = {"type": "message", "id": "msg_1", "role": "assistant", "content": []}
+    events = [
+        {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+        {"type": "response.output_item.added", "item": item},
+        {"type": "response.content_part.added", "item_id": "msg_1", "part": {"text": ""}},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": " the"},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": " river"},
+        {"type": "error", "code": "server_error", "message": "out of memory", "param": None},
+    ]
+    sse = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+    fake = FakeUpstream([(STREAM_HEAD + chunked(*sse) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    got, text = responses_stream(proxy.url, 30)
+    assert_one_response(got, text, 30)
+    assert got[-1].response.id == "resp_1" and got[-1].response.output[0].id == "msg_1"
+    assert text.startswith(" the river")
+    assert text[len(" the river") :] == continuation(fallback.url, " the river", 28)
+    assert "out of memory" in last_handoff(proxy)["reason"]
+    fake.close()
+
+
+def test_a_stalled_primary_is_left_mid_message(start_server, start_proxy, servers) -> None:
+    _, fallback = servers
+    primary = start_server("primary", extra_args=NO_CACHE)
+    quick = ["spillover_stall_s=1", "spillover_first_token_s=2"]
+    proxy = start_proxy(primary.url, [fallback.url], options=quick)
+    try:
+        events, text = messages_stream(
+            proxy.url, LONG, lambda n: n == 15 and os.kill(primary.pid, signal.SIGSTOP)
+        )
+    finally:
+        os.kill(primary.pid, signal.SIGCONT)
+    assert_one_message(events, text, LONG)
+    cut = last_handoff(proxy)
+    assert cut["kind"] == "stalled" and "nothing for 1." in cut["reason"]
+    assert_exact(text, cut, primary.url, fallback.url, LONG)
