@@ -149,7 +149,7 @@ class MessagesRewriter:
 
     def rewrite(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         kind = payload.get("type")
-        if kind == "message_start":
+        if kind == "message_start" and self._transcript.id is not None:
             return []  # the client has its message
         index = payload.get("index")
         out: list[dict[str, Any]] = []

@@ -35,6 +35,7 @@ from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
 from addon.wire import ClientStream, Header, forwardable, passed_back
 
+NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 log = logging.getLogger(__name__)
 
@@ -353,6 +354,8 @@ class Splice:
             response.tap = exchange.keep
         try:
             if response.status != 200:
+                if response.status in NOT_SERVED and upstream != self.primary:
+                    return f"{upstream.url} does not serve {path} (HTTP {response.status})"
                 if response.status < 500 and not client.started:
                     # The request itself was refused (bad input), by the first server or
                     # by one that was asked it unchanged: the client gets the refusal as is.

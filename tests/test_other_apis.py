@@ -25,6 +25,7 @@ import pytest
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.ollama_upstream import OllamaUpstream
 from scripts.processes import free_port
 from scripts.prompts import PROMPT
 from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
@@ -400,3 +401,17 @@ def test_a_stalled_primary_is_left_mid_message(start_server, start_proxy, server
     cut = last_handoff(proxy)
     assert cut["kind"] == "stalled" and "nothing for 1." in cut["reason"]
     assert_exact(text, cut, primary.url, fallback.url, LONG)
+
+
+def test_a_server_that_does_not_serve_the_api_is_skipped(start_proxy, servers) -> None:
+    """The scripted Ollama serves /api/chat only: a Messages answer moves past it."""
+    _, fallback = servers
+    ollama = OllamaUpstream("ollama")
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [ollama.url, fallback.url])
+    events, text = messages_stream(proxy.url, 30)
+    assert_one_message(events, text, 30)
+    assert text == direct_text(fallback.url, 30)
+    handoffs = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    assert handoffs[-1]["source"] == ollama.url and handoffs[-1]["target"] == fallback.url
+    assert f"{ollama.url} does not serve /v1/messages (HTTP 404)" in handoffs[-1]["reason"]
+    ollama.close()
