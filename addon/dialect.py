@@ -129,10 +129,13 @@ class Dialect(Protocol):
 
 class EchoStrip:
     """Takes a prefill a server repeats at the start of its answer out of that answer:
-    known to echo, or (unknown) when the first text starts with it."""
+    known to echo (in one piece or several), or (unknown) when its first text starts
+    with the whole prefill. A first text that merely begins like the prefill is the
+    answer's own when the echo is unknown: dropping it could lose text."""
 
     def __init__(self, prefill: str, echo: bool | None) -> None:
         self._left = prefill if echo is not False else ""
+        self._in_pieces = echo is True
 
     def __call__(self, text: str) -> str:
         echo = self._left
@@ -141,7 +144,7 @@ class EchoStrip:
         if text.startswith(echo):
             self._left = ""
             return text[len(echo) :]
-        if echo.startswith(text):
+        if self._in_pieces and echo.startswith(text):
             self._left = echo[len(text) :]
             return ""
         # The answer does not start with the prefill: this server does not echo after all,

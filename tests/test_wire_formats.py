@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from addon.continuation import Transcript
-from addon.dialect import Step
+from addon.dialect import EchoStrip, Step
 from addon.messages import Messages, MessagesReader, MessagesRewriter
 from addon.ollama import LineSplitter, Ollama, OllamaReader
 from addon.responses import Responses, ResponsesReader, ResponsesRewriter
@@ -260,3 +260,11 @@ def test_responses_reasoning_restated_after_the_text_began_is_dropped() -> None:
     (delta,) = rewriter.rewrite({"type": "response.output_text.delta", "item_id": "msg_b",
                                  "output_index": 1, "delta": " So it"})  # fmt: skip
     assert (delta["item_id"], delta["delta"], delta["output_index"]) == ("msg_a", " it", 1)
+
+
+def test_an_answer_that_begins_like_the_prefill_is_kept_when_the_echo_is_unknown() -> None:
+    unknown = EchoStrip(" night rain", None)
+    assert unknown(" night") == " night" and unknown(" rain") == " rain"
+    assert EchoStrip(" night rain", None)(" night rain falls") == " falls"
+    known = EchoStrip(" night rain", True)
+    assert known(" night") == "" and known(" rain falls") == " falls"
