@@ -127,6 +127,7 @@ def main() -> None:
             pauses = {api: pause(api, addon, 600) for api in ("chat", "messages", "responses")}
     ollama, spare = OllamaUpstream("primary", pause_s=0.002), OllamaUpstream("fallback")
     plain = Mitmdump(ollama.url, addon=False, log_dir=work)
+    plain.health_path = "/"  # Ollama has no /health; its root says it is running
     addon = Mitmdump(ollama.url, [spare.url], log_dir=work)
     with running(plain, addon):
         urls = {"direct": ollama.url, "plain mitmdump": plain.url, "addon": addon.url}

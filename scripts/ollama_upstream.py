@@ -12,6 +12,7 @@ continued without being repeated) is a pure function of that text.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -86,8 +87,16 @@ class OllamaUpstream:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def handle(self) -> None:
+                # A client that goes away (a proxy's cut) ends its connection quietly.
+                with contextlib.suppress(ConnectionError):
+                    super().handle()
+
             def do_GET(self) -> None:
-                self._send(404, b"404 page not found", "text/plain")
+                if self.path == "/":
+                    self._send(200, b"Ollama is running", "text/plain; charset=utf-8")
+                else:
+                    self._send(404, b"404 page not found", "text/plain")
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
