@@ -20,7 +20,7 @@ from addon.continuation import (
     prefill_of,
     take_pieces,
 )
-from addon.dialect import Event, Rewriter, Step
+from addon.dialect import Event, Rewriter, Step, has_messages, json_object, read_payloads
 from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.wire import Header, error_event, error_text
 
@@ -60,12 +60,9 @@ class ChatReader:
             return [Event(Step.SEND, event + SEP)]
         if sse.is_done(event):
             return [Event(Step.END, sse.DONE + SEP)]
-        try:
-            chunk = sse.parse(event)
-            if not isinstance(chunk, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            return f"garbled event from {self.server}: {exc}"
+        chunk = json_object(event, sse.parse)
+        if isinstance(chunk, str):
+            return f"garbled event from {self.server}: {chunk}"
         if "error" in chunk:
             return f"in-band error from {self.server}: {error_text(chunk['error'])}"
         changed = self.rewriter is not None
@@ -101,13 +98,7 @@ class ChatReader:
         self.transcript.record(*payload)
 
     def read_block(self, block: bytes) -> None:
-        for event in sse.events(block):
-            try:
-                chunk = sse.parse(event)
-            except ValueError:
-                continue  # delivered as the server sent it; nothing to account for
-            if isinstance(chunk, dict):
-                self.transcript.record(chunk)
+        read_payloads(sse.events(block), sse.parse, self.transcript.record)
 
     def close(self) -> bytes | None:
         # The server finished its answer and died before [DONE]: the answer is whole.
@@ -124,8 +115,7 @@ class Chat:
 
     def accepts(self, body: dict[str, Any]) -> bool:
         if self.field == "messages":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            if not has_messages(body):
                 return False  # malformed: the primary answers with its own error
         elif not isinstance(body.get("prompt"), str):
             return False  # token-id prompts: passed through as they are

@@ -179,3 +179,32 @@ def prefilled(
         text = delivered if delivered.startswith(earlier) else earlier + delivered
         return [*messages[:-1], {**last, **message(text)}]
     return [*messages, message(delivered)]
+
+
+def read_payloads(
+    events: list[bytes], parse: Callable[[bytes], Any], record: Callable[[Any], None]
+) -> None:
+    """Record the JSON objects among events that went out unread (what cannot be parsed
+    was delivered as the server sent it, with nothing to account for)."""
+    for event in events:
+        try:
+            payload = parse(event)
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            record(payload)
+
+
+def json_object(event: bytes, parse: Callable[[bytes], Any]) -> dict[str, Any] | str:
+    """An event's JSON object, or why it is garbled."""
+    try:
+        payload = parse(event)
+    except ValueError as exc:
+        return str(exc)
+    return payload if isinstance(payload, dict) else "not a JSON object"
+
+
+def has_messages(body: dict[str, Any]) -> bool:
+    """A list of message objects under `messages` (anything else: the server's own error)."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)

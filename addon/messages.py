@@ -19,8 +19,17 @@ from typing import Any
 
 from addon import sse
 from addon.continuation import Transcript
-from addon.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.dialect import (
+    EchoStrip,
+    Event,
+    Rewriter,
+    Step,
+    has_messages,
+    prefilled,
+    with_fewer_tokens,
+)
 from addon.shape import text_of
+from addon.typedsse import TypedEventReader, encode
 from addon.wire import Header, error_text
 
 SEP = sse.TERMINATOR
@@ -28,20 +37,9 @@ JSON = [(b"content-type", b"application/json")]
 TOOL_BLOCKS = ("tool_use", "server_tool_use")
 
 
-def encode(payload: dict[str, Any]) -> bytes:
-    """An event as the Messages API frames it: its type named on an `event:` line too."""
-    return b"event: " + str(payload.get("type")).encode() + b"\n" + sse.encode(payload) + SEP
-
-
-class MessagesReader:
-    boundary = SEP
-    splitter = sse.EventSplitter
-    events = staticmethod(sse.events)
-
+class MessagesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
-        self.transcript = transcript
-        self.rewriter = rewriter
-        self.server = server
+        super().__init__(transcript, rewriter, server)
         self._tool: list[bytes] | None = None  # a tool_use block's events, until it is whole
         self._tool_index: Any = None
         self._finished = False
@@ -57,25 +55,12 @@ class MessagesReader:
             and b'"error"' not in block
         )
 
-    def take(self, event: bytes) -> list[Event] | str:
-        if sse.is_comment(event):
-            return [Event(Step.SEND, event + SEP)]
-        try:
-            payload = sse.parse(event)
-            if not isinstance(payload, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            return f"garbled event from {self.server}: {exc}"
+    def failure(self, payload: dict[str, Any]) -> str | None:
         if payload.get("type") == "error" or ("error" in payload and "type" not in payload):
-            return f"in-band error from {self.server}: {error_text(payload.get('error'))}"
-        if self.rewriter is None:
-            return self._sort(payload, event + SEP)
-        taken: list[Event] = []
-        for rewritten in self.rewriter.rewrite(payload):
-            taken += self._sort(rewritten, encode(rewritten))
-        return taken
+            return error_text(payload.get("error"))
+        return None
 
-    def _sort(self, payload: dict[str, Any], data: bytes) -> list[Event]:
+    def sort(self, payload: dict[str, Any], data: bytes) -> list[Event]:
         kind = payload.get("type")
         if kind == "message_stop":
             return [Event(Step.END, data)]
@@ -119,15 +104,6 @@ class MessagesReader:
     def _count_block(self, index: Any) -> None:
         if isinstance(index, int):
             self.transcript.wire["blocks"] = index + 1
-
-    def read_block(self, block: bytes) -> None:
-        for event in sse.events(block):
-            try:
-                payload = sse.parse(event)
-            except ValueError:
-                continue  # delivered as the server sent it; nothing to account for
-            if isinstance(payload, dict):
-                self.record(payload)
 
     def close(self) -> bytes | None:
         return encode({"type": "message_stop"}) if self._finished else None
@@ -202,8 +178,7 @@ class Messages:
     pins_slots = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
-        messages = body.get("messages")
-        return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+        return has_messages(body)
 
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True

@@ -15,7 +15,16 @@ import json
 from typing import Any
 
 from addon.continuation import Transcript
-from addon.dialect import EchoStrip, Event, Rewriter, Step, prefilled
+from addon.dialect import (
+    EchoStrip,
+    Event,
+    Rewriter,
+    Step,
+    has_messages,
+    json_object,
+    prefilled,
+    read_payloads,
+)
 from addon.shape import mapping, positive_int, text_of
 from addon.sse import MAX_EVENT_BYTES, EventTooLarge
 
@@ -66,12 +75,9 @@ class OllamaReader:
         )
 
     def take(self, event: bytes) -> list[Event] | str:
-        try:
-            payload = json.loads(event)
-            if not isinstance(payload, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            return f"garbled line from {self.server}: {exc}"
+        payload = json_object(event, json.loads)
+        if isinstance(payload, str):
+            return f"garbled line from {self.server}: {payload}"
         if "error" in payload:
             return f"in-band error from {self.server}: {payload['error']}"
         data = event.rstrip(b"\r") + NL
@@ -92,13 +98,7 @@ class OllamaReader:
             self.transcript.other_parts.add("tool calls")
 
     def read_block(self, block: bytes) -> None:
-        for line in self.events(block):
-            try:
-                payload = json.loads(line)
-            except ValueError:
-                continue  # delivered as the server sent it; nothing to account for
-            if isinstance(payload, dict):
-                self.record(payload)
+        read_payloads(self.events(block), json.loads, self.record)
 
     def close(self) -> bytes | None:
         return None  # the last line is the answer's end: a stream without it is cut
@@ -132,8 +132,7 @@ class Ollama:
     pins_slots = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
-        messages = body.get("messages")
-        return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+        return has_messages(body)
 
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is not False  # Ollama streams unless told not to

@@ -22,6 +22,7 @@ from typing import Any
 from addon import sse
 from addon.continuation import Transcript
 from addon.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.typedsse import TypedEventReader, encode
 from addon.wire import Header, error_text
 
 SEP = sse.TERMINATOR
@@ -29,10 +30,6 @@ JSON = [(b"content-type", b"application/json")]
 STARTS = ("response.created", "response.in_progress")
 REASONING_DELTAS = ("response.reasoning_text.delta", "response.reasoning_summary_text.delta")
 ENDS = ("response.completed", "response.incomplete")
-
-
-def encode(payload: dict[str, Any]) -> bytes:
-    return b"event: " + str(payload.get("type")).encode() + b"\n" + sse.encode(payload) + SEP
 
 
 def output_text(content: Any) -> str | None:
@@ -45,24 +42,9 @@ def output_text(content: Any) -> str | None:
     return None if any(not isinstance(p, str) for p in parts) else "".join(parts)
 
 
-def _failure(payload: dict[str, Any]) -> str | None:
-    kind = payload.get("type")
-    if kind == "error" or ("error" in payload and kind is None):
-        return error_text(payload.get("error") or payload)
-    if kind == "response.failed":
-        return error_text((payload.get("response") or {}).get("error") or "response failed")
-    return None
-
-
-class ResponsesReader:
-    boundary = SEP
-    splitter = sse.EventSplitter
-    events = staticmethod(sse.events)
-
+class ResponsesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
-        self.transcript = transcript
-        self.rewriter = rewriter
-        self.server = server
+        super().__init__(transcript, rewriter, server)
         self._call: list[bytes] | None = None  # a function call's events, until it is whole
         self._finished = False
 
@@ -75,25 +57,15 @@ class ResponsesReader:
             and b'"error"' not in block
         )
 
-    def take(self, event: bytes) -> list[Event] | str:
-        if sse.is_comment(event):
-            return [Event(Step.SEND, event + SEP)]
-        try:
-            payload = sse.parse(event)
-            if not isinstance(payload, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            return f"garbled event from {self.server}: {exc}"
-        if (failure := _failure(payload)) is not None:
-            return f"in-band error from {self.server}: {failure}"
-        if self.rewriter is None:
-            return self._sort(payload, event + SEP)
-        taken: list[Event] = []
-        for rewritten in self.rewriter.rewrite(payload):
-            taken += self._sort(rewritten, encode(rewritten))
-        return taken
+    def failure(self, payload: dict[str, Any]) -> str | None:
+        kind = payload.get("type")
+        if kind == "error" or ("error" in payload and kind is None):
+            return error_text(payload.get("error") or payload)
+        if kind == "response.failed":
+            return error_text((payload.get("response") or {}).get("error") or "response failed")
+        return None
 
-    def _sort(self, payload: dict[str, Any], data: bytes) -> list[Event]:
+    def sort(self, payload: dict[str, Any], data: bytes) -> list[Event]:
         kind = payload.get("type")
         if kind in ENDS:
             return [Event(Step.END, data)]
@@ -137,15 +109,6 @@ class ResponsesReader:
             transcript.legs[-1].model = response.get("model")
         if isinstance(at, int):
             wire["next"] = max(wire.get("next", 0), at + 1)
-
-    def read_block(self, block: bytes) -> None:
-        for event in sse.events(block):
-            try:
-                payload = sse.parse(event)
-            except ValueError:
-                continue  # delivered as the server sent it; nothing to account for
-            if isinstance(payload, dict):
-                self.record(payload)
 
     def close(self) -> bytes | None:
         """The server wrote the whole text and died before `response.completed`."""
