@@ -274,8 +274,10 @@ def upper_bound(body: dict[str, Any]) -> int | None:
         parts = prompt if isinstance(prompt, list) else [prompt]
         size = sum(1 if isinstance(p, int) else len(str(p).encode()) for p in parts)
         return size + TEMPLATE_TOKENS_PER_MESSAGE + (token_limit(body) or 0)
+    if not isinstance(messages := body.get("messages"), list):
+        return None  # another API's input (a Responses `input`): only the server can count it
     total = 0
-    for message in body.get("messages") or ():
+    for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if content is not None and not isinstance(content, str):
             return None  # parts (images, audio): only the server can count them

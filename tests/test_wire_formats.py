@@ -14,6 +14,7 @@ from addon.dialect import EchoStrip, Step
 from addon.messages import Messages, MessagesReader, MessagesRewriter
 from addon.ollama import LineSplitter, Ollama, OllamaReader
 from addon.responses import Responses, ResponsesReader, ResponsesRewriter
+from addon.servers import upper_bound
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -268,3 +269,8 @@ def test_an_answer_that_begins_like_the_prefill_is_kept_when_the_echo_is_unknown
     assert EchoStrip(" night rain", None)(" night rain falls") == " falls"
     known = EchoStrip(" night rain", True)
     assert known(" night") == "" and known(" rain falls") == " falls"
+
+
+def test_a_bound_on_tokens_is_given_only_for_what_it_can_count() -> None:
+    assert upper_bound({"messages": [{"role": "user", "content": "abc"}], "max_tokens": 5}) > 5
+    assert upper_bound({"input": "a long question", "max_output_tokens": 5}) is None
