@@ -11,7 +11,7 @@ from mitmproxy import http
 from addon.chat import Chat
 from addon.dialect import Dialect
 from addon.messages import Messages
-from addon.ollama import Ollama
+from addon.ollama import Ollama, OllamaGenerate
 from addon.responses import Responses
 
 CHAT, TEXT = Chat("messages"), Chat("prompt")
@@ -24,6 +24,7 @@ SPLICED: dict[str, Dialect] = {
     "/v1/messages": Messages(),
     "/v1/responses": Responses(),
     "/api/chat": Ollama(),
+    "/api/generate": OllamaGenerate(),
 }
 
 

@@ -145,6 +145,9 @@ class Chat:
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
         return continuation_body(body, transcript)
 
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        return path
+
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> ChunkRewriter:

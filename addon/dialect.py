@@ -119,6 +119,10 @@ class Dialect(Protocol):
         """The request, asking a server to go on from what the client has received."""
         ...
 
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        """Where a continuation goes: the client's route, or another of the same server's."""
+        ...
+
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> Rewriter:

@@ -215,6 +215,9 @@ class Messages:
             body["messages"] = prefilled(body["messages"], transcript.text, message)
         return body
 
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        return path
+
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> MessagesRewriter:

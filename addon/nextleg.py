@@ -67,7 +67,8 @@ class NextLeg:
             self.transcript, body, info.echoes_prefill if info else None
         )
         delivered = self.transcript.content or self.transcript.reasoning
-        return self.path, body, rewriter, "text" if delivered else None
+        path = self.dialect.leg_path(self.path, body)
+        return path, body, rewriter, "text" if delivered else None
 
     async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
         """The prompt as `upstream` renders it and the delivered token ids, when a

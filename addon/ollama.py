@@ -1,11 +1,15 @@
-"""Ollama chat streams (/api/chat): newline-delimited JSON, one object per line.
+"""Ollama streams (/api/chat, /api/generate): newline-delimited JSON, one object a line.
 
-Each line carries a piece of the assistant's message; the last has `done: true`, the
-stop reason and the counts. A stream has no comment lines, so the client is told of a
-handoff only in the flow's metadata, `/spillover/status` and the log. A continuation asks
-the next server for the same chat with the answer so far as a partial assistant message
-(which Ollama continues) and fewer tokens to go (`options.num_predict`); its lines join
-the client's stream with its last line counting the whole answer (`eval_count`).
+Each line carries a piece of the answer (`message` for chat, `response` for generate);
+the last has `done: true`, the stop reason and the counts. A stream has no comment lines,
+so the client is told of a handoff only in the flow's metadata, `/spillover/status` and
+the log. A continuation asks the next server for the same chat with the answer so far as
+a partial assistant message (which Ollama continues) and fewer tokens to go
+(`options.num_predict`); its lines join the client's stream with its last line counting
+the whole answer (`eval_count`). A generate request is continued as the chat Ollama
+itself renders it from (its `system` and `prompt` as messages) and the chat's lines are
+written as generate lines; a `raw` one goes on from its own prompt. After a handoff the
+last generate line has no `context`: the next server's tokens would make it wrong.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class OllamaReader:
         return [line for line in block.split(NL) if line.strip()]
 
     def plain(self, block: bytes) -> bool:
-        """Only pieces of text: lines that are not the last, no error, no tool call."""
+        """Only pieces of the answer: lines that are not the last, no error, no tool call."""
         return (
             self.rewriter is None
             and block.count(b'"done":false') == block.count(NL)
@@ -91,8 +95,11 @@ class OllamaReader:
         return [Event(Step.SEND, data, payload)]
 
     def record(self, payload: dict[str, Any]) -> None:
-        message = mapping(payload.get("message"))
         self.transcript.legs[-1].model = payload.get("model")
+        if "message" not in payload:  # a generate line
+            self.transcript.add(payload.get("response"), payload.get("thinking"))
+            return
+        message = mapping(payload.get("message"))
         self.transcript.add(message.get("content"), message.get("thinking"))
         if message.get("tool_calls"):
             self.transcript.other_parts.add("tool calls")
@@ -105,25 +112,51 @@ class OllamaReader:
 
 
 class OllamaRewriter:
-    def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
+    """A continuation leg's lines as the rest of the client's stream; `as_generate`: the
+    client asked /api/generate and this leg is the chat it was continued as."""
+
+    def __init__(
+        self, transcript: Transcript, prefill: str, echo: bool | None, as_generate: bool
+    ) -> None:
         self._transcript = transcript
         self._echo = EchoStrip(prefill, echo)
+        self._as_generate = as_generate
 
     def rewrite(self, payload: dict[str, Any]) -> dict[str, Any] | None:
-        message = mapping(payload.get("message"))
-        if message.get("content"):
-            message["content"] = self._echo(message["content"])
+        message = payload.get("message")
+        said = message if isinstance(message, dict) else payload
+        text = "content" if isinstance(message, dict) else "response"
+        if said.get(text):
+            said[text] = self._echo(said[text])
         if payload.get("done") is True:
             legs = self._transcript.legs
             legs[-1].completion_tokens = int(payload.get("eval_count") or 0)
             payload["eval_count"] = sum(leg.completion_tokens for leg in legs)
-            return payload
-        said = any(message.get(k) for k in ("content", "thinking", "tool_calls"))
-        return payload if said else None
+        elif not any(said.get(k) for k in (text, "thinking", "tool_calls")):
+            return None
+        return _as_generate(payload) if self._as_generate and message is not None else payload
+
+
+def _as_generate(line: dict[str, Any]) -> dict[str, Any]:
+    """A chat line as the generate line Ollama would have written."""
+    message = mapping(line.pop("message", None))
+    out = {k: line.pop(k) for k in ("model", "created_at") if k in line}
+    out["response"] = message.get("content") or ""
+    if message.get("thinking"):
+        out["thinking"] = message["thinking"]
+    return {**out, **line}
 
 
 def _assistant(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
+
+
+def with_fewer_predicted(body: dict[str, Any], produced: int) -> dict[str, Any]:
+    body = copy.deepcopy(body)
+    options = body.get("options")
+    if isinstance(options, dict) and (limit := positive_int(options.get("num_predict"))):
+        options["num_predict"] = max(1, limit - produced)
+    return body
 
 
 class Ollama:
@@ -164,17 +197,58 @@ class Ollama:
         return None
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
-        body = copy.deepcopy(body)
-        options = body.get("options")
-        if isinstance(options, dict) and (limit := positive_int(options.get("num_predict"))):
-            options["num_predict"] = max(1, limit - transcript.produced)
+        body = with_fewer_predicted(body, transcript.produced)
         if transcript.text:
             body["messages"] = prefilled(body["messages"], transcript.text, _assistant)
         return body
+
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        return path
 
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> OllamaRewriter:
         last = continuation["messages"][-1]
         prefill = last.get("content") if last.get("role") == "assistant" else ""
-        return OllamaRewriter(transcript, prefill or "", echo)
+        return OllamaRewriter(transcript, prefill or "", echo, as_generate=False)
+
+
+class OllamaGenerate(Ollama):
+    name = "ollama generate"
+
+    def accepts(self, body: dict[str, Any]) -> bool:
+        return isinstance(body.get("prompt"), str)
+
+    def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
+        if (why := super().cannot_continue({**body, "messages": []}, transcript)) is not None:
+            return why
+        if transcript.content and not body.get("raw"):
+            # What the chat route cannot say the way this request was rendered.
+            for name in ("suffix", "template", "context"):
+                if body.get(name):
+                    return f"the request's {name} cannot be carried to another server"
+        return None
+
+    def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
+        body = with_fewer_predicted(body, transcript.produced)
+        if not transcript.text:
+            return body
+        if body.get("raw"):
+            body["prompt"] += transcript.text  # a raw prompt simply goes on
+            return body
+        system = [{"role": "system", "content": body.pop("system")}] if body.get("system") else []
+        user = {"role": "user", "content": body.pop("prompt")}
+        if body.get("images"):
+            user["images"] = body.pop("images")
+        body["messages"] = [*system, user, _assistant(transcript.text)]
+        return body
+
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        return "/api/chat" if "messages" in continuation else path
+
+    def rewriter(
+        self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
+    ) -> OllamaRewriter:
+        chat = "messages" in continuation
+        prefill = continuation["messages"][-1]["content"] if chat else ""
+        return OllamaRewriter(transcript, prefill, echo if chat else False, as_generate=chat)

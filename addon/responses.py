@@ -334,6 +334,9 @@ class Responses:
         body["input"] = items
         return body
 
+    def leg_path(self, path: str, continuation: dict[str, Any]) -> str:
+        return path
+
     def rewriter(
         self, transcript: Transcript, continuation: dict[str, Any], echo: bool | None
     ) -> ResponsesRewriter:

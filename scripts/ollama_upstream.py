@@ -1,13 +1,15 @@
-"""A scripted Ollama server (/api/chat): Ollama itself cannot run here, so the tests and
-recordings of Ollama streams use this instead, and say so.
+"""A scripted Ollama server (/api/chat, /api/generate): Ollama itself cannot run here,
+so the tests and recordings of Ollama streams use this instead, and say so.
 
 It speaks Ollama's wire format: a streamed answer is `application/x-ndjson`, chunked,
-one compact JSON object per line (`model`, `created_at`, `message`, `done`), the last with
-`done: true`, `done_reason` and the counts and durations in nanoseconds; `stream: false`
-gets one JSON object; an error mid-answer is an `{"error": ...}` line. Its "model" writes
-one word per token, each chosen by a hash of the server's name and everything before it,
-so an answer continued from a partial assistant message (which, as in Ollama, is
-continued without being repeated) is a pure function of that text.
+one compact JSON object per line (`model`, `created_at`, `message` or `response`, `done`),
+the last with `done: true`, `done_reason`, the counts and durations in nanoseconds (and,
+for generate, the `context`); `stream: false` gets one JSON object; an error mid-answer
+is an `{"error": ...}` line. Its "model" writes one word per token, each chosen by a hash
+of the server's name and everything before it, so an answer continued from a partial
+assistant message (which, as in Ollama, is continued without being repeated) is a pure
+function of that text; a generate request is rendered as the chat of its `system` and
+`prompt`, as Ollama renders it, unless it is `raw`.
 """
 
 from __future__ import annotations
@@ -52,9 +54,22 @@ def answer(name: str, messages: list[dict[str, Any]], tokens: int) -> list[str]:
         prefill = messages[-1].get("content") or ""
         messages = messages[:-1]
     context = "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages) + "<assistant>"
+    return written(name, context + prefill, tokens)
+
+
+def generated(name: str, body: dict[str, Any], tokens: int) -> list[str]:
+    """The words for a generate request: its prompt rendered as the chat Ollama makes of
+    it (`system`, then `prompt` as the user's message), or taken as it is when `raw`."""
+    if body.get("raw"):
+        return written(name, body.get("prompt") or "", tokens)
+    system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+    return answer(name, [*system, {"role": "user", "content": body.get("prompt")}], tokens)
+
+
+def written(name: str, context: str, tokens: int) -> list[str]:
     words: list[str] = []
     for _ in range(tokens):
-        words.append(next_word(name, context + prefill + "".join(words)))
+        words.append(next_word(name, context + "".join(words)))
     return words
 
 
@@ -101,11 +116,11 @@ class OllamaUpstream:
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
-                if self.path != "/api/chat":
+                if self.path not in ("/api/chat", "/api/generate"):
                     self._send(404, b"404 page not found", "text/plain")
                     return
                 upstream.requests.append(body)
-                upstream._chat(self, body)
+                upstream._answer(self, body, chat=self.path == "/api/chat")
 
             def _send(self, status: int, data: bytes, kind: str) -> None:
                 self.send_response(status)
@@ -119,22 +134,34 @@ class OllamaUpstream:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
-    def _chat(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+    def _answer(self, handler: BaseHTTPRequestHandler, body: dict[str, Any], chat: bool) -> None:
         options = body.get("options") or {}
         limit = options.get("num_predict") or DEFAULT_TOKENS
-        words = answer(self.name, body.get("messages") or [], limit)
+        if chat:
+            words = answer(self.name, body.get("messages") or [], limit)
+            said = [m.get("content") or "" for m in body.get("messages") or ()]
+        else:
+            words = generated(self.name, body, limit)
+            said = [body.get("system") or "", body.get("prompt") or ""]
         model = body.get("model", "scripted")
-        prompt = sum(len((m.get("content") or "").split()) for m in body.get("messages") or ())
+        prompt = sum(len(text.split()) for text in said)
+
+        def piece(text: str) -> dict[str, Any]:
+            if chat:
+                return {"message": {"role": "assistant", "content": text}}
+            return {"response": text}
+
         last = {
-            "model": model, "created_at": _now(),
-            "message": {"role": "assistant", "content": ""},
-            "done_reason": "length", "done": True, "total_duration": 4_000_000,
-            "load_duration": 1_000_000, "prompt_eval_count": prompt,
-            "prompt_eval_duration": 1_000_000, "eval_count": len(words),
-            "eval_duration": 2_000_000,
+            "model": model, "created_at": _now(), **piece(""),
+            "done_reason": "length", "done": True,
+            # /api/generate's token ids of the conversation: here, the words' indexes.
+            **({} if chat else {"context": [WORDS.index(w.strip()) for w in words]}),
+            "total_duration": 4_000_000, "load_duration": 1_000_000,
+            "prompt_eval_count": prompt, "prompt_eval_duration": 1_000_000,
+            "eval_count": len(words), "eval_duration": 2_000_000,
         }  # fmt: skip
         if body.get("stream") is False:
-            last["message"]["content"] = "".join(words)
+            last.update(piece("".join(words)))
             data = json.dumps(last, separators=(",", ":")).encode()
             handler._send(200, data, "application/json; charset=utf-8")  # type: ignore[attr-defined]
             return
@@ -157,8 +184,7 @@ class OllamaUpstream:
                 line({"error": "model runner has unexpectedly stopped"})
                 out.write(b"0\r\n\r\n")
                 return
-            message = {"role": "assistant", "content": word}
-            line({"model": model, "created_at": _now(), "message": message, "done": False})
+            line({"model": model, "created_at": _now(), **piece(word), "done": False})
             time.sleep(self.pause_s)
         line(last)
         out.write(b"0\r\n\r\n")

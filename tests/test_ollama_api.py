@@ -17,7 +17,7 @@ import ollama
 
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.ollama_upstream import OllamaUpstream, answer
+from scripts.ollama_upstream import OllamaUpstream, answer, generated
 from tests.test_splice import handoff
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]
@@ -134,4 +134,58 @@ def test_no_server_left_ends_with_an_error_line_the_client_reads(start_proxy) ->
         :5
     ]
     assert "no server could continue this answer" in lines[-1]["error"]
+    primary.close()
+
+
+PROMPT_TEXT = MESSAGES[0]["content"]
+
+
+def generate(proxy: Mitmdump, **extra: Any) -> tuple[str, Any, int]:
+    client = ollama.Client(host=proxy.url)
+    pieces, last = [], None
+    for chunk in client.generate(
+        model="m", prompt=PROMPT_TEXT, stream=True, options={"num_predict": TOKENS}, **extra
+    ):
+        pieces.append(chunk.response)
+        last = chunk
+    return "".join(pieces), last, len(pieces)
+
+
+def test_a_generate_stream_is_continued_as_the_chat_ollama_renders_it(start_proxy) -> None:
+    primary, fallback = OllamaUpstream("primary", cut_after=12), OllamaUpstream("fallback")
+    proxy = start_proxy(primary.url, [fallback.url])
+    text, last, chunks = generate(proxy, system="Be brief.")
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT_TEXT}]
+    before = "".join(answer("primary", asked, 12))
+    after = answer("fallback", [*asked, {"role": "assistant", "content": before}], TOKENS - 12)
+    assert text == before + "".join(after)
+    assert_whole(last, chunks)
+    assert last.context is None  # another server's tokens would make it wrong
+    (continued,) = fallback.requests
+    assert continued["messages"] == [*asked, {"role": "assistant", "content": before}]
+    assert "prompt" not in continued and "system" not in continued
+    primary.close()
+    fallback.close()
+
+
+def test_a_raw_generate_stream_goes_on_from_its_own_prompt(start_proxy) -> None:
+    primary, fallback = OllamaUpstream("primary", error_after=7), OllamaUpstream("fallback")
+    proxy = start_proxy(primary.url, [fallback.url])
+    text, last, chunks = generate(proxy, raw=True)
+    before = "".join(generated("primary", {"raw": True, "prompt": PROMPT_TEXT}, 7))
+    rest = generated("fallback", {"raw": True, "prompt": PROMPT_TEXT + before}, TOKENS - 7)
+    assert text == before + "".join(rest)
+    assert_whole(last, chunks)
+    (continued,) = fallback.requests
+    assert continued["prompt"] == PROMPT_TEXT + before and continued["raw"] is True
+    primary.close()
+    fallback.close()
+
+
+def test_a_generate_stream_without_handoff_keeps_its_context(start_proxy) -> None:
+    primary = OllamaUpstream("primary")
+    proxy = start_proxy(primary.url, [])
+    text, last, _ = generate(proxy)
+    assert text == "".join(generated("primary", {"prompt": PROMPT_TEXT}, TOKENS))
+    assert last.context and len(last.context) == TOKENS
     primary.close()
