@@ -356,25 +356,16 @@ class Splice:
             if response.status != 200:
                 if response.status in NOT_SERVED and upstream != self.primary:
                     return f"{upstream.url} does not serve {path} (HTTP {response.status})"
-                if response.status < 500 and not client.started:
-                    # The request itself was refused (bad input), by the first server or
-                    # by one that was asked it unchanged: the client gets the refusal as is.
-                    client.respond(
-                        response.status,
-                        passed_back(response.headers),
-                        await response.read_all(),
-                        response.reason,
-                    )
-                    return None
-                if not self.handoffs:
-                    # Kept for the client in case no other server can answer either.
-                    said = await response.read_all()
-                    self._refusal = (
-                        response.status,
-                        passed_back(response.headers),
-                        said,
-                        response.reason,
-                    )
+                bad_input = response.status < 500 and not client.started
+                if bad_input or not self.handoffs:
+                    said, head = await response.read_all(), passed_back(response.headers)
+                    refusal = (response.status, head, said, response.reason)
+                    if bad_input:
+                        # The request itself was refused, by the first server or by one that
+                        # was asked it unchanged: the client gets the refusal as is.
+                        client.respond(*refusal)
+                        return None
+                    self._refusal = refusal  # for the client, if no other server can answer
                 return f"HTTP {response.status} from {upstream.url}"
             if not self.streaming:
                 answer = await response.read_all()

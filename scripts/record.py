@@ -2,7 +2,9 @@
 
 Real llama-servers on the tiny models throughout, except where a real server cannot do
 the thing on demand: the in-band error and the tool call come from a scripted upstream
-(scripts/scripted_upstream.py); recordings/README.md says which is which.
+(scripts/scripted_upstream.py), and the Ollama session from a scripted Ollama
+(scripts/ollama_upstream.py: Ollama cannot run here); recordings/README.md says which is
+which.
 
     .venv/bin/python -m scripts.record [recordings/] [--only NAME ...]
 """
