@@ -87,6 +87,13 @@ def assert_exact(
     assert after == continuation(fallback, before, max_tokens - cut["at_token"])
 
 
+def scripted(events: list[dict[str, Any]]) -> FakeUpstream:
+    """A primary that sends these typed events and ends: a real llama-server cannot send
+    an error event on demand."""
+    sse = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+    return FakeUpstream([(STREAM_HEAD + chunked(*sse) + b"0\r\n\r\n", 0)])
+
+
 # Anthropic Messages
 
 
@@ -157,18 +164,6 @@ def test_a_requested_handoff_continues_the_same_message(servers, proxy) -> None:
     assert_exact("".join(pieces), last_handoff(proxy), primary.url, fallback.url, LONG)
 
 
-def test_a_killed_primary_continues_the_same_message(start_server, start_proxy, servers) -> None:
-    _, fallback = servers
-    primary = start_server("primary", extra_args=NO_CACHE)
-    proxy = start_proxy(primary.url, [fallback.url])
-    events, text = messages_stream(proxy.url, LONG, lambda n: n == 15 and primary.kill())
-    assert_one_message(events, text, LONG)
-    cut = last_handoff(proxy)
-    assert cut["kind"] == "failure" and cut["at_token"] >= 14
-    again = start_server("primary", extra_args=NO_CACHE)
-    assert_exact(text, cut, again.url, fallback.url, LONG)
-
-
 def test_an_error_event_from_the_primary_hands_off(start_proxy, servers) -> None:
     """Scripted primary: a real llama-server cannot send an error event on demand."""
     _, fallback = servers
@@ -186,8 +181,7 @@ def test_an_error_event_from_the_primary_hands_off(start_proxy, servers) -> None
 
     error = {"type": "error", "error": {"type": "overloaded_error", "message": "out of memory"}}
     events = [start, block, delta(" the"), delta(" river"), error]
-    sse = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
-    fake = FakeUpstream([(STREAM_HEAD + chunked(*sse) + b"0\r\n\r\n", 0)])
+    fake = scripted(events)
     proxy = start_proxy(fake.url, [fallback.url])
     got, text = messages_stream(proxy.url, 30)
     assert_one_message(got, text, 30)
@@ -275,19 +269,29 @@ def test_a_requested_handoff_continues_the_same_response(servers, proxy) -> None
     assert_exact(text, cut, primary.url, fallback.url, LONG)
 
 
-def test_a_killed_primary_continues_the_same_response(start_server, start_proxy, servers) -> None:
+# Both, under memory pressure
+
+
+READERS = {
+    "messages": (messages_stream, assert_one_message),
+    "responses": (responses_stream, assert_one_response),
+}
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_killed_primary_is_continued_in_the_same_answer(
+    api: str, start_server, start_proxy, servers
+) -> None:
     _, fallback = servers
     primary = start_server("primary", extra_args=NO_CACHE)
     proxy = start_proxy(primary.url, [fallback.url])
-    events, text = responses_stream(proxy.url, LONG, lambda n: n == 15 and primary.kill())
-    assert_one_response(events, text, LONG)
+    read, check = READERS[api]
+    events, text = read(proxy.url, LONG, lambda n: n == 15 and primary.kill())
+    check(events, text, LONG)
     cut = last_handoff(proxy)
     assert cut["kind"] == "failure" and cut["at_token"] >= 14
     again = start_server("primary", extra_args=NO_CACHE)
     assert_exact(text, cut, again.url, fallback.url, LONG)
-
-
-# Both, under memory pressure
 
 
 @pytest.mark.parametrize("api", ["messages", "responses"])
@@ -300,8 +304,7 @@ def test_pressure_on_the_primarys_card_hands_off(
     FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
     on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
     proxy = start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on))
-    read = messages_stream if api == "messages" else responses_stream
-    check = assert_one_message if api == "messages" else assert_one_response
+    read, check = READERS[api]
     events, text = read(proxy.url, LONG, lambda n: n == 12 and card0.set_used(15041))
     check(events, text, LONG)
     cut = last_handoff(proxy)
@@ -374,8 +377,7 @@ def test_an_error_event_in_a_responses_stream_hands_off(start_proxy, servers) ->
         {"type": "response.output_text.delta", "item_id": "msg_1", "delta": " river"},
         {"type": "error", "code": "server_error", "message": "out of memory", "param": None},
     ]
-    sse = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
-    fake = FakeUpstream([(STREAM_HEAD + chunked(*sse) + b"0\r\n\r\n", 0)])
+    fake = scripted(events)
     proxy = start_proxy(fake.url, [fallback.url])
     got, text = responses_stream(proxy.url, 30)
     assert_one_response(got, text, 30)
