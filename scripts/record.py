@@ -204,6 +204,17 @@ def ollama_cut(rec: Recorder) -> None:
     fallback.close()
 
 
+def ollama_generate_cut(rec: Recorder) -> None:
+    """Scripted Ollama servers: a generate stream whose primary dies mid-answer, continued
+    as the chat Ollama renders it from."""
+    primary, fallback = OllamaUpstream("primary", cut_after=6), OllamaUpstream("fallback")
+    with rec.proxy("ollama-generate", primary.url, [fallback.url]) as p:
+        body = {"model": "m", "prompt": PROMPT[0]["content"], "options": {"num_predict": 24}}
+        stream(p, body, None, "/api/generate")
+    primary.close()
+    fallback.close()
+
+
 # Each scenario, and how many handoffs its answer must have had.
 SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
     "no-handoff": (no_handoff, 0),
@@ -219,6 +230,7 @@ SCENARIOS: dict[str, tuple[Callable[[Recorder], None], int]] = {
     "messages": (messages_requested, 1),
     "responses": (responses_killed, 1),
     "ollama": (ollama_cut, 1),
+    "ollama-generate": (ollama_generate_cut, 1),
 }
 ATTEMPTS = 5
 

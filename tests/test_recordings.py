@@ -58,6 +58,7 @@ def test_the_recordings_cover_every_kind_of_handoff() -> None:
         "none", "requested", "pressure", "failure", "chain", "reasoning", "tool call",
         "before the first token", "in-band error", "died mid-answer", "whole answer",
         "api /v1/chat/completions", "api /v1/messages", "api /v1/responses", "api /api/chat",
+        "api /api/generate",
     }  # fmt: skip
     assert wanted <= set(seen), sorted(wanted - set(seen))
 
