@@ -9,13 +9,12 @@ the whole answer.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from addon.dialect import EchoStrip, prefilled
+from addon.dialect import EchoStrip, prefilled, with_fewer_tokens
 from addon.shape import constraint_of, positive_int, text_of
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
@@ -100,6 +99,11 @@ class Transcript:
             self.produced += 1
             leg.completion_tokens += 1
 
+    def whole_answer_tokens(self, last_leg: Any) -> int:
+        """The whole answer's tokens, the last leg's as its server counted them."""
+        self.legs[-1].completion_tokens = int(last_leg or 0)
+        return sum(leg.completion_tokens for leg in self.legs)
+
     def record(self, chunk: dict[str, Any], pieces: list[Piece] | None = None) -> None:
         """Account for a chat chunk that has been written to the client; `pieces` are the
         ids behind it (taken from its logprobs when not given)."""
@@ -158,7 +162,7 @@ def _piece(entry: Any) -> Piece | None:
 
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
     """The original request, continued from what the client already has."""
-    body = copy.deepcopy(original)
+    body = with_fewer_tokens(original, transcript.produced, TOKEN_LIMIT_FIELDS)
     delivered, reasoning = transcript.text, transcript.reasoning_text
     if not delivered and not reasoning:
         return body
@@ -171,9 +175,6 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
             # else it renders the reasoning closed and goes on with the content.
             messages[-1]["reasoning_content"] = reasoning
         body["messages"] = messages
-    for name in TOKEN_LIMIT_FIELDS:
-        if (limit := positive_int(body.get(name))) is not None:
-            body[name] = max(1, limit - transcript.produced)
     return body
 
 
@@ -272,8 +273,7 @@ class ChunkRewriter:
         last leg read (the original prompt plus the replayed answer), leg by leg too."""
         legs = self._transcript.legs
         legs[-1].prompt_tokens = usage.get("prompt_tokens")
-        legs[-1].completion_tokens = int(usage.get("completion_tokens") or 0)
-        completion = sum(leg.completion_tokens for leg in legs)
+        completion = self._transcript.whole_answer_tokens(usage.get("completion_tokens"))
         prompt = int(usage.get("prompt_tokens") or 0)
         return {
             **usage,

@@ -161,9 +161,8 @@ class MessagesRewriter:
         return int(self._transcript.wire.get("blocks", 0))
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        legs = self._transcript.legs
-        legs[-1].completion_tokens = int(usage.get("output_tokens") or 0)
-        return {**usage, "output_tokens": sum(leg.completion_tokens for leg in legs)}
+        whole = self._transcript.whole_answer_tokens(usage.get("output_tokens"))
+        return {**usage, "output_tokens": whole}
 
 
 def _assistant(text: str, thought: str) -> dict[str, Any]:

@@ -129,9 +129,8 @@ class OllamaRewriter:
         if said.get(text):
             said[text] = self._echo(said[text])
         if payload.get("done") is True:
-            legs = self._transcript.legs
-            legs[-1].completion_tokens = int(payload.get("eval_count") or 0)
-            payload["eval_count"] = sum(leg.completion_tokens for leg in legs)
+            counted = payload.get("eval_count")
+            payload["eval_count"] = self._transcript.whole_answer_tokens(counted)
         elif not any(said.get(k) for k in (text, "thinking", "tool_calls")):
             return None
         return _as_generate(payload) if self._as_generate and message is not None else payload

@@ -84,10 +84,13 @@ class Pump:
                 self._end([*out, *(e.data for e in self._held)], event.data)
                 return True
             if event.step is Step.SEND:
-                for held in self._held:  # only ever HOLD events: none is the answer's end
-                    out.append(held.data)
-                    self._record(held)
-                self._held.clear()
+                # What waited for something to follow goes out first; the answer's end
+                # stays held (a chat tool call whole after it goes out, as it did).
+                for held in self._held:
+                    if held.step is Step.HOLD:
+                        out.append(held.data)
+                        self._record(held)
+                self._held = [held for held in self._held if held.step is Step.FINISH]
                 out.append(event.data)
                 self._record(event)
                 continue

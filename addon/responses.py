@@ -270,9 +270,7 @@ class ResponsesRewriter:
             response["usage"] = self._whole_answer_usage(usage)
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        legs = self._transcript.legs
-        legs[-1].completion_tokens = int(usage.get("output_tokens") or 0)
-        output = sum(leg.completion_tokens for leg in legs)
+        output = self._transcript.whole_answer_tokens(usage.get("output_tokens"))
         prompt = int(usage.get("input_tokens") or 0)
         return {**usage, "output_tokens": output, "total_tokens": prompt + output}
 
