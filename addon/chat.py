@@ -19,8 +19,10 @@ from addon.continuation import (
     continuation_body,
     prefill_of,
     take_pieces,
+    token_limit,
 )
 from addon.dialect import Event, Rewriter, Step, has_messages, json_object, read_payloads
+from addon.sizes import bound
 from addon.toolcalls import ToolCallHold, calls_chunk
 from addon.wire import Header, error_event, error_text
 
@@ -123,6 +125,22 @@ class Chat:
 
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
+
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        if isinstance(prompt := body.get("prompt"), list):  # a replay's token ids and text
+            ids = sum(1 for p in prompt if isinstance(p, int))
+            texts = bound([[p for p in prompt if not isinstance(p, int)]], token_limit(body))
+            return None if texts is None else ids + texts
+        if "messages" not in body:  # a completion's prompt, or a chat rendered into one
+            return bound([[prompt]], token_limit(body))
+        if body.get("tools"):
+            return None
+        turns = [
+            None if not isinstance(m, dict) or m.get("tool_calls") else
+            [m.get("content"), m.get("reasoning_content")]
+            for m in body["messages"]
+        ]  # fmt: skip
+        return bound(turns, token_limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str

@@ -95,6 +95,11 @@ class Dialect(Protocol):
 
     def streaming(self, body: dict[str, Any]) -> bool: ...
 
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        """At most this many tokens for the request on any server, by its size (see
+        sizes.py); None where only a server can count it."""
+        ...
+
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
     ) -> LegReader: ...

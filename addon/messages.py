@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from addon import sse
-from addon.continuation import Transcript
+from addon.continuation import Transcript, token_limit
 from addon.dialect import (
     EchoStrip,
     Event,
@@ -29,6 +29,7 @@ from addon.dialect import (
     with_fewer_tokens,
 )
 from addon.shape import text_of
+from addon.sizes import bound
 from addon.typedsse import TypedEventReader, encode
 from addon.wire import Header, error_text
 
@@ -181,6 +182,12 @@ class Messages:
 
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
+
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        if body.get("tools"):
+            return None
+        turns = [[m.get("content")] if isinstance(m, dict) else None for m in body["messages"]]
+        return bound([[body.get("system")], *turns], token_limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str

@@ -9,7 +9,7 @@ from addon.continuation import ChunkRewriter, Transcript
 from addon.dialect import Dialect, Rewriter
 from addon.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff import Handoff, seeded_sampling
-from addon.servers import ServerDirectory, upper_bound
+from addon.servers import ServerDirectory
 from addon.shape import mapping
 from addon.upstream import Upstream
 
@@ -130,7 +130,7 @@ class NextLeg:
         context = self._servers.get(upstream).slot_context
         if context is None:
             return True
-        bound = upper_bound(self.dialect.continuation(self.body, self.transcript))
+        bound = self.dialect.upper_bound(self.dialect.continuation(self.body, self.transcript))
         return bound is not None and bound <= context
 
     async def fits(self, upstream: Upstream) -> bool:
@@ -147,7 +147,8 @@ class NextLeg:
         context = self._servers.get(upstream).slot_context
         if context is None:
             return None
-        needed = await self._servers.room_needed(upstream, body, context)
+        bound = self.dialect.upper_bound(body)
+        needed = await self._servers.room_needed(upstream, body, context, bound)
         if needed is None or needed <= context:
             return None
         return (

@@ -30,6 +30,7 @@ from addon.dialect import (
     read_payloads,
 )
 from addon.shape import mapping, positive_int, text_of
+from addon.sizes import bound
 from addon.sse import MAX_EVENT_BYTES, EventTooLarge
 
 NL = b"\n"
@@ -150,11 +151,16 @@ def _assistant(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
+def _predicted(body: dict[str, Any]) -> int | None:
+    """The most tokens the request may write (`options.num_predict`), when it says."""
+    options = body.get("options")
+    return positive_int(options.get("num_predict")) if isinstance(options, dict) else None
+
+
 def with_fewer_predicted(body: dict[str, Any], produced: int) -> dict[str, Any]:
     body = copy.deepcopy(body)
-    options = body.get("options")
-    if isinstance(options, dict) and (limit := positive_int(options.get("num_predict"))):
-        options["num_predict"] = max(1, limit - produced)
+    if (limit := _predicted(body)) is not None:
+        body["options"]["num_predict"] = max(1, limit - produced)
     return body
 
 
@@ -168,6 +174,16 @@ class Ollama:
 
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is not False  # Ollama streams unless told not to
+
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        if body.get("tools"):
+            return None
+        turns = [
+            None if not isinstance(m, dict) or m.get("images") or m.get("tool_calls") else
+            [m.get("content"), m.get("thinking")]
+            for m in body["messages"]
+        ]  # fmt: skip
+        return bound(turns, _predicted(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
@@ -217,6 +233,13 @@ class OllamaGenerate(Ollama):
 
     def accepts(self, body: dict[str, Any]) -> bool:
         return isinstance(body.get("prompt"), str)
+
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        if "messages" in body:  # a continuation, asked as a chat
+            return super().upper_bound(body)
+        if body.get("images"):
+            return None
+        return bound([[body.get("system")], [body.get("prompt")]], _predicted(body))
 
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if (why := super().cannot_continue({**body, "messages": []}, transcript)) is not None:

@@ -23,7 +23,7 @@ from addon.metrics import Metrics
 from addon.migration import Migrator, add_migration_options
 from addon.pace import add_pace_options, limits_from
 from addon.routing import Router
-from addon.servers import ServerDirectory, upper_bound
+from addon.servers import ServerDirectory
 from addon.shadow import Shadows, add_shadow_options
 from addon.splice import Splice
 from addon.status import assemble_status
@@ -204,7 +204,7 @@ class Spillover:
         origin = (request.scheme, request.host, request.port)
         primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
         self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
-        ladder, route_note = self._ladder_for(primary, body)
+        ladder, route_note = self._ladder_for(primary, dialect.upper_bound(body))
         splice = Splice(
             path=request.path,
             dialect=dialect,
@@ -238,12 +238,11 @@ class Spillover:
         request.headers[TOKEN_HEADER] = live.token
 
     def _ladder_for(
-        self, primary: Upstream, body: dict[str, Any]
+        self, primary: Upstream, bound: int | None
     ) -> tuple[list[Upstream], str | None]:
-        """The servers a new answer may use, the one it starts on first, and why it does
-        not start on the primary (when it does not)."""
+        """The servers a new answer (of at most `bound` tokens) may use, the one it starts
+        on first, and why it does not start on the primary (when it does not)."""
         ladder = [primary, *self.fallbacks]
-        bound = upper_bound(body)
 
         def may_start(server: Upstream) -> bool:
             context = self.servers.get(server).slot_context

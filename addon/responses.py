@@ -22,6 +22,8 @@ from typing import Any
 from addon import sse
 from addon.continuation import Transcript
 from addon.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.shape import positive_int
+from addon.sizes import bound
 from addon.typedsse import TypedEventReader, encode
 from addon.wire import Header, error_text
 
@@ -295,6 +297,14 @@ class Responses:
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
 
+    def upper_bound(self, body: dict[str, Any]) -> int | None:
+        if body.get("tools"):
+            return None
+        items = body["input"]
+        turns = [[items]] if isinstance(items, str) else [_turn(item) for item in items]
+        limit = positive_int(body.get("max_output_tokens"))
+        return bound([[body.get("instructions")], *turns], limit)
+
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
     ) -> ResponsesReader:
@@ -340,6 +350,17 @@ class Responses:
     ) -> ResponsesRewriter:
         prefill = _prefill(continuation)
         return ResponsesRewriter(transcript, output_text(prefill) or "", echo)
+
+
+def _turn(item: dict[str, Any]) -> list[Any] | None:
+    """What an input item holds for the size bound: a message's content, a reasoning
+    item's summary and content; None for a call, its output, or anything else."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        return [item.get("content")]
+    if kind == "reasoning":
+        return [item.get("summary"), item.get("content")]
+    return None
 
 
 def _prefill(body: dict[str, Any]) -> Any:

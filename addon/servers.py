@@ -242,11 +242,14 @@ class ServerDirectory:
             raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
         return str(text).startswith(MARKER)
 
-    async def room_needed(self, upstream: Upstream, body: dict[str, Any], room: int) -> int | None:
+    async def room_needed(
+        self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
+    ) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
-        may still write; None when the server cannot tell. When a cheap bound says it fits
-        in `room`, the server is not asked (asking costs two round trips in the pause)."""
-        if (bound := upper_bound(body)) is not None and bound <= room:
+        may still write; None when the server cannot tell. When `bound` (from its size)
+        says it fits in `room`, the server is not asked (asking costs two round trips in
+        the pause)."""
+        if bound is not None and bound <= room:
             return bound
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
@@ -262,24 +265,3 @@ class ServerDirectory:
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return None
         return count + (token_limit(body) or 0)
-
-
-TEMPLATE_TOKENS_PER_MESSAGE = 32  # role markers and separators, generously
-
-
-def upper_bound(body: dict[str, Any]) -> int | None:
-    """At most this many tokens: no token holds less than one byte of text."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str | list):
-        parts = prompt if isinstance(prompt, list) else [prompt]
-        size = sum(1 if isinstance(p, int) else len(str(p).encode()) for p in parts)
-        return size + TEMPLATE_TOKENS_PER_MESSAGE + (token_limit(body) or 0)
-    if not isinstance(messages := body.get("messages"), list):
-        return None  # another API's input (a Responses `input`): only the server can count it
-    total = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if content is not None and not isinstance(content, str):
-            return None  # parts (images, audio): only the server can count them
-        total += len((content or "").encode()) + TEMPLATE_TOKENS_PER_MESSAGE
-    return total + (token_limit(body) or 0)

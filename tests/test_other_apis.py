@@ -22,6 +22,9 @@ import httpx
 import openai
 import pytest
 
+from addon.chat import Chat
+from addon.messages import Messages
+from addon.responses import Responses
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
@@ -417,3 +420,34 @@ def test_a_server_that_does_not_serve_the_api_is_skipped(start_proxy, servers) -
     assert handoffs[-1]["source"] == ollama.url and handoffs[-1]["target"] == fallback.url
     assert f"{ollama.url} does not serve /v1/messages (HTTP 404)" in handoffs[-1]["reason"]
     ollama.close()
+
+
+def test_the_size_bound_holds_what_the_server_counts(servers) -> None:
+    """Routing and room checks trust `upper_bound` never to count fewer tokens than a
+    server does: each API's request, system prompt and all, against the tokens a real
+    llama-server reports for it."""
+    primary, _ = servers
+    system = "Answer in one short line, in plain words. " * 4
+    asks = {
+        "/v1/chat/completions": (
+            Chat("messages"),
+            {"messages": [{"role": "system", "content": system}, *PROMPT], "max_tokens": 8},
+            lambda u: u["prompt_tokens"] + u["completion_tokens"],
+        ),
+        "/v1/messages": (
+            Messages(),
+            {"system": system, "messages": PROMPT, "max_tokens": 8},
+            lambda u: u["input_tokens"] + u["output_tokens"],
+        ),
+        "/v1/responses": (
+            Responses(),
+            {"instructions": system, "input": PROMPT, "max_output_tokens": 8},
+            lambda u: u["input_tokens"] + u["output_tokens"],
+        ),
+    }
+    for path, (dialect, body, counted) in asks.items():
+        body = {**body, "model": "tiny", "temperature": 0}
+        reply = httpx.post(f"{primary.url}{path}", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        used = counted(reply.json()["usage"])
+        assert used <= dialect.upper_bound(body), (path, used, dialect.upper_bound(body))

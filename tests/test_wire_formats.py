@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from addon.chat import Chat
 from addon.continuation import Transcript
 from addon.dialect import EchoStrip, Step
 from addon.messages import Messages, MessagesReader, MessagesRewriter
-from addon.ollama import LineSplitter, Ollama, OllamaReader
+from addon.ollama import LineSplitter, Ollama, OllamaGenerate, OllamaReader
 from addon.responses import Responses, ResponsesReader, ResponsesRewriter
-from addon.servers import upper_bound
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -271,6 +271,44 @@ def test_an_answer_that_begins_like_the_prefill_is_kept_when_the_echo_is_unknown
     assert known(" night") == "" and known(" rain falls") == " falls"
 
 
-def test_a_bound_on_tokens_is_given_only_for_what_it_can_count() -> None:
-    assert upper_bound({"messages": [{"role": "user", "content": "abc"}], "max_tokens": 5}) > 5
-    assert upper_bound({"input": "a long question", "max_output_tokens": 5}) is None
+def test_a_bound_on_tokens_counts_every_turn_of_each_api_and_only_text() -> None:
+    """Bytes of every text the template renders (system, instructions, reasoning), 32 per
+    turn and the limit on what is written, in each API's own fields; no bound for what
+    only a server can count."""
+    turn = 32
+    user = {"role": "user", "content": "abc"}
+    chat = Chat("messages")
+    thought = {"role": "assistant", "content": "de", "reasoning_content": "fgh"}
+    assert chat.upper_bound({"messages": [user, thought], "max_tokens": 5}) == 8 + 2 * turn + 5
+    assert Chat("prompt").upper_bound({"prompt": "abcd", "n_predict": 5}) == 4 + turn + 5
+    replay = {"prompt": ["ab", 7, 8, "c"], "n_predict": 5}  # rendered text and token ids
+    assert chat.upper_bound(replay) == 2 + 3 + turn + 5
+    assert chat.upper_bound({"messages": [user], "tools": [{"type": "function"}]}) is None
+    called = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    assert chat.upper_bound({"messages": [user, called]}) is None
+    image = {"type": "image_url", "image_url": {"url": "data:"}}
+    assert chat.upper_bound({"messages": [{"role": "user", "content": [image]}]}) is None
+
+    blocks = [{"type": "thinking", "thinking": "ab"}, {"type": "text", "text": "cd"}]
+    messages = {"system": "sys", "messages": [user, {"role": "assistant", "content": blocks}]}
+    assert Messages().upper_bound({**messages, "max_tokens": 7}) == 10 + 3 * turn + 7
+    tool_use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    used = {"messages": [user, {"role": "assistant", "content": [tool_use]}]}
+    assert Messages().upper_bound(used) is None
+
+    thinking = [{"type": "reasoning_text", "text": "ab"}]
+    reasoning = {"type": "reasoning", "summary": [], "content": thinking}
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "cd"}]}
+    responses = {"instructions": "sys", "input": [user, reasoning, said], "max_output_tokens": 7}
+    assert Responses().upper_bound(responses) == 10 + 4 * turn + 7
+    assert Responses().upper_bound({"input": "abc"}) == 3 + 2 * turn
+    call = {"type": "function_call", "call_id": "1", "name": "f", "arguments": "{}"}
+    assert Responses().upper_bound({"input": [user, call]}) is None
+
+    ollama = {"messages": [user, {"role": "assistant", "content": "de", "thinking": "f"}]}
+    assert Ollama().upper_bound({**ollama, "options": {"num_predict": 9}}) == 6 + 2 * turn + 9
+    assert Ollama().upper_bound({**ollama, "options": {"num_predict": -1}}) == 6 + 2 * turn
+    pictured = {"messages": [{"role": "user", "content": "what is this", "images": ["aGk="]}]}
+    assert Ollama().upper_bound(pictured) is None
+    generate = {"system": "sys", "prompt": "abc", "options": {"num_predict": 4}}
+    assert OllamaGenerate().upper_bound(generate) == 6 + 2 * turn + 4
