@@ -12,10 +12,16 @@ Its native events are turned back into chat chunks here.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from addon.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
 from addon.shape import constraint_of, positive_int
+from addon.upstream import Upstream
+
+if TYPE_CHECKING:
+    from addon.servers import ServerDirectory
 
 # Chat request fields that have no meaning for a native /completion of a rendered prompt.
 CHAT_ONLY = (
@@ -53,6 +59,25 @@ def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
     """The request, also asking for the id of each token it streams (cheaply: only the
     sampled token's probability after sampling)."""
     return {**body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
+
+
+def first_leg_asks(
+    path: str,
+    body: dict[str, Any],
+    raw_body: bytes,
+    ladder: Sequence[Upstream],
+    servers: ServerDirectory | None,
+) -> tuple[bool, bool, bytes]:
+    """Whether the first leg asks for token ids (another server on the ladder shares its
+    tokenizer and could replay them), whether they are taken out again before the client
+    sees them (it did not ask for them itself), and the first leg's request body."""
+    asks = (
+        servers is not None
+        and eligible(path, body)
+        and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
+    )
+    strips = asks and not client_wants_logprobs(body)
+    return asks, strips, json.dumps(asking_for_ids(body)).encode() if strips else raw_body
 
 
 def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:

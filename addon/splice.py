@@ -10,7 +10,6 @@ reads one stream with one finish and one [DONE].
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +18,7 @@ from typing import Any
 from addon.continuation import Transcript, token_limit
 from addon.credentials import Credentials, redacted
 from addon.dialect import Dialect, Rewriter
-from addon.exact import (
-    asking_for_ids,
-    client_wants_logprobs,
-    eligible,
-)
+from addon.exact import first_leg_asks
 from addon.exchange import Exchange
 from addon.handoff import Handoff
 from addon.ladder import Ladder
@@ -82,19 +77,10 @@ class Splice:
         self._refusal: tuple[int, list[Header], bytes, bytes] | None = None
         self.body = body
         self.ladder = list(ladder)
-        # Token-exact replay needs the first leg's token ids: ask for them when another
-        # server on the ladder could use them, and keep them from a client that did not ask.
-        self.asks_ids = (
-            exact
-            and servers is not None
-            and eligible(path, body)
-            and any(servers.same_tokenizer(self.ladder[0], other) for other in self.ladder[1:])
+        # Token-exact replay needs the first leg's token ids (see exact.py).
+        self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
+            path, body, raw_body, self.ladder, servers if exact else None
         )
-        # Ids the addon asked for itself are taken out again; what the client asked for stays.
-        self._strip_pieces = self.asks_ids and not client_wants_logprobs(body)
-        if self._strip_pieces:
-            raw_body = json.dumps(asking_for_ids(body)).encode()
-        self.raw_body = raw_body
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
         self._noted = 0  # handoffs told to the client
