@@ -36,7 +36,8 @@ def text_bytes(content: Any) -> int | None:
         return None
     total = 0
     for part in content:
-        field = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if field is None or not isinstance(text := part.get(field), str):
             return None
         total += len(text.encode())

@@ -288,6 +288,10 @@ def test_a_bound_on_tokens_counts_every_turn_of_each_api_and_only_text() -> None
     assert chat.upper_bound({"messages": [user, called]}) is None
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     assert chat.upper_bound({"messages": [{"role": "user", "content": [image]}]}) is None
+    odd = [{"type": ["text"], "text": "a"}, "a", {"type": "text", "text": 1}]
+    assert all(
+        chat.upper_bound({"messages": [{"role": "user", "content": [o]}]}) is None for o in odd
+    )
 
     blocks = [{"type": "thinking", "thinking": "ab"}, {"type": "text", "text": "cd"}]
     messages = {"system": "sys", "messages": [user, {"role": "assistant", "content": blocks}]}
