@@ -142,30 +142,45 @@ def assert_exact_splice(
     assert sum(stream.segment_tokens) == max_tokens
 
 
+def solo_steps(server_url: str, max_tokens: int) -> list[dict[str, Any]]:
+    """The server's answer decoded alone, with its two best candidates at each step."""
+    return complete_after(server_url, "", max_tokens, n_probs=2)["completion_probabilities"]
+
+
 def assert_splice_up_to_ties(
-    stream: RawStream, primary_url: str, fallback_url: str, max_tokens: int, tie: float = 0.1
+    stream: RawStream,
+    alone: list[dict[str, Any]],
+    fallback_url: str,
+    max_tokens: int,
+    tie: float = 0.1,
 ) -> None:
     """Like assert_exact_splice, for answers decoded in a busy batch: llama-server is not
     batch-invariant, so a token whose two best candidates were tied (log-probabilities
-    within `tie`; flips seen with gaps up to 0.06) may come out as the runner-up; the texts
-    may part there, nowhere else."""
+    within `tie`; flips seen with gaps up to 0.06) may come out as the runner-up; each
+    server's text may part from its answer decoded alone (`alone`: the primary's
+    `solo_steps`) there, nowhere else."""
     before = stream.segments[0]
-    assert direct_text(primary_url, max_tokens).startswith(before)
+    _same_up_to_ties(stream.pieces[0], alone, tie, "the primary's part", whole=False)
     assert sum(stream.segment_tokens) == max_tokens
     left = max_tokens - stream.segment_tokens[0]
     reply = complete_after(fallback_url, before, left, n_probs=2)
-    expected = [step["token"] for step in reply["completion_probabilities"]]
-    got = stream.pieces[1]
-    for index, (token, step) in enumerate(
-        zip(got, reply["completion_probabilities"], strict=False)
-    ):
+    _same_up_to_ties(stream.pieces[1], reply["completion_probabilities"], tie, "the rest")
+
+
+def _same_up_to_ties(
+    got: list[str], steps: list[dict[str, Any]], tie: float, what: str, whole: bool = True
+) -> None:
+    """`got` follows the tokens of `steps` (a solo answer with its two best candidates at
+    each step) until it ends (`whole`: with them) or takes a tied runner-up once."""
+    for index, (token, step) in enumerate(zip(got, steps, strict=False)):
         if token == step["token"]:
             continue
         best, second = step["top_logprobs"][:2]
         gap = best["logprob"] - second["logprob"]
         assert gap < tie and token == second["token"], (
-            f"token {index} of the continuation: got {token!r}, expected {best['token']!r} "
+            f"token {index} of {what}: got {token!r}, expected {best['token']!r} "
             f"(runner-up {second['token']!r}, log-probability gap {gap:.4f})"
         )
         return
-    assert got == expected
+    expected = [step["token"] for step in steps]
+    assert got == (expected if whole else expected[: len(got)]), what

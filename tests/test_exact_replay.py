@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from scripts.mitm import Mitmdump
-from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
+from tests.streams import RawStream, assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_splice import handoff_after
 
 CUTS = 100
@@ -56,6 +56,18 @@ def twins(start_server, start_proxy):
     proxy = start_proxy(first.url, [second.url])
     wait_until_known(proxy, [first.url, second.url])
     return first, second, proxy
+
+
+def cut_stream(proxy: Mitmdump, body: dict, at: int, hold) -> RawStream:
+    """A stream of `body` handed off after `at` chunks. On a loaded machine the primary
+    may have written the whole (short) answer before the handoff arrives: nothing to cut
+    then, so it is read again, as random_cuts does."""
+    for _ in range(5):
+        stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, at, hold=hold))
+        assert_one_clean_stream(stream)
+        if stream.notes:
+            return stream
+    raise AssertionError("no handoff landed before the answer ended, 5 times")
 
 
 def cut_and_replay(stream) -> tuple[int, str]:
@@ -117,8 +129,7 @@ def test_replaying_text_instead_drifts_at_some_cuts(start_server, start_proxy) -
 def test_a_client_that_asks_for_logprobs_gets_them_from_both_legs(twins) -> None:
     first, _, proxy = twins
     body = chat_body(ANSWER, logprobs=True, top_logprobs=2)
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 10, hold=first))
-    assert_one_clean_stream(stream)
+    stream = cut_stream(proxy, body, 10, hold=first)
     assert cut_and_replay(stream)[1] == "token ids"
     assert stream.text == direct_text(first.url, ANSWER)
     content = [c for c in stream.chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
@@ -131,8 +142,7 @@ def test_a_client_that_asks_for_logprobs_gets_them_from_both_legs(twins) -> None
 def test_usage_counts_the_whole_answer_across_an_exact_replay(twins) -> None:
     first, _, proxy = twins
     body = chat_body(ANSWER, stream_options={"include_usage": True})
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 12, hold=first))
-    assert_one_clean_stream(stream)
+    stream = cut_stream(proxy, body, 12, hold=first)
     (usage,) = [c["usage"] for c in stream.chunks if c.get("usage")]
     assert usage["completion_tokens"] == ANSWER
     legs = usage["spillover"]["legs"]
@@ -148,14 +158,7 @@ def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) 
     stop = late[min(5, len(late) - 1)]
     expected = direct_text(first.url, ANSWER, stop=[stop])
     assert len(expected) < len(whole)
-    # On a loaded machine the primary may have written the whole (short) answer before the
-    # handoff arrives: nothing to cut then, so try again, as random_cuts does.
-    for _ in range(5):
-        on_chunk = handoff_after(proxy, 8, hold=first)
-        stream = read_stream(proxy.url, chat_body(ANSWER, stop=[stop]), on_chunk=on_chunk)
-        assert_one_clean_stream(stream)
-        if stream.notes:
-            break
+    stream = cut_stream(proxy, chat_body(ANSWER, stop=[stop]), 8, hold=first)
     assert cut_and_replay(stream)[1] == "token ids"
     assert stream.text == expected and stream.finishes == ["stop"]
 
@@ -163,7 +166,6 @@ def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) 
 def test_a_seeded_sampled_answer_is_told_its_seed_starts_over(twins) -> None:
     first, _, proxy = twins
     body = {**chat_body(ANSWER), "temperature": 0.9, "seed": 42}
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8, hold=first))
-    assert_one_clean_stream(stream)
+    stream = cut_stream(proxy, body, 8, hold=first)
     assert "the sampling seed starts over on the new server" in stream.notes[0]
     assert sum(stream.segment_tokens) == ANSWER

@@ -317,6 +317,9 @@ def test_pressure_on_the_primarys_card_hands_off(
 
 # Reasoning: the same model on both sides, so the reasoning across a cut is the
 # uninterrupted answer's (the tiny model, left alone, reasons to the end of the answer).
+# Long enough that the server is still writing when a client slowed by a busy machine
+# asks for the cut at delta 12.
+THOUGHT = 400
 
 
 @pytest.fixture(scope="module")
@@ -341,21 +344,21 @@ def thoughts(events: list, kind: str) -> str:
 
 def test_messages_thinking_cut_midway_goes_on_in_the_same_block(thinkers) -> None:
     first, proxy = thinkers
-    whole, _ = messages_stream(first.url, 200)
-    events, text = messages_stream(proxy.url, 200, asked_after(proxy, first, 12))
+    whole, _ = messages_stream(first.url, THOUGHT)
+    events, text = messages_stream(proxy.url, THOUGHT, asked_after(proxy, first, 12))
     assert text == "" and last_handoff(proxy)["at_token"] >= 12
     assert thoughts(events, "messages") == thoughts(whole, "messages")
     kinds = [e.type for e in events]
     assert kinds.count("content_block_start") == 1 and kinds.count("message_stop") == 1
     assert events[1].content_block.type == "thinking"
     (delta,) = [e for e in events if e.type == "message_delta"]
-    assert delta.usage.output_tokens == 200
+    assert delta.usage.output_tokens == THOUGHT
 
 
 def test_responses_reasoning_cut_midway_goes_on_in_the_same_item(thinkers) -> None:
     first, proxy = thinkers
-    whole, _ = responses_stream(first.url, 200)
-    events, text = responses_stream(proxy.url, 200, asked_after(proxy, first, 12))
+    whole, _ = responses_stream(first.url, THOUGHT)
+    events, text = responses_stream(proxy.url, THOUGHT, asked_after(proxy, first, 12))
     assert text == "" and last_handoff(proxy)["at_token"] >= 12
     reasoning = thoughts(events, "responses")
     assert reasoning == thoughts(whole, "responses")
@@ -365,7 +368,7 @@ def test_responses_reasoning_cut_midway_goes_on_in_the_same_item(thinkers) -> No
     (item,) = events[-1].response.output
     assert item.type == "reasoning" and item.content[0].text == reasoning
     assert item.id == events[kinds.index("response.output_item.added")].item.id
-    assert events[-1].response.usage.output_tokens == 200
+    assert events[-1].response.usage.output_tokens == THOUGHT
 
 
 def test_an_error_event_in_a_responses_stream_hands_off(start_proxy, servers) -> None:

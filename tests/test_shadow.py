@@ -159,9 +159,9 @@ def test_a_server_that_does_not_list_its_slots_is_not_shadowed(start_server, sta
                     time.sleep(0.02)
                 handoff(proxy, reason="test")
 
-    stream = read_stream(proxy.url, long_body(200), on_chunk=on_chunk)
+    stream = read_stream(proxy.url, long_body(600), on_chunk=on_chunk)
     assert_one_clean_stream(stream)
-    assert len(stream.notes) == 1 and sum(stream.segment_tokens) == 200
+    assert len(stream.notes) == 1 and sum(stream.segment_tokens) == 600
     why = CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"]["not_shadowed"]
     assert "its slots cannot be listed (HTTP" in why[fallback.url]
 

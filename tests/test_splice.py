@@ -34,6 +34,7 @@ from tests.streams import (
     direct_text,
     read_stream,
     record,
+    solo_steps,
 )
 
 # Long enough that the tiny primary (~2,000 tokens/s) is still generating when a handoff
@@ -121,7 +122,8 @@ def test_handoff_splices_the_exact_text(
 ) -> None:
     """Cut 1 lands right after the role delta, before the first token. The answer is long
     enough that the primary is still generating when the handoff lands."""
-    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, cut))
+    on_chunk = handoff_after(proxy, cut, hold=primary)
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=on_chunk)
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and "test pressure" in stream.notes[0]
     assert_exact_splice(stream, primary.url, fallback.url, LONG)
@@ -378,32 +380,43 @@ def test_sixteen_streams_handed_off_at_once(start_server, start_proxy) -> None:
     fallback = start_server("fallback", slots=16, ctx_size=65536)
     proxy = start_proxy(primary.url, [fallback.url])
     streams = [RawStream() for _ in range(16)]
-    ready = threading.Barrier(17)
+    # One client, built before the threads, and the requests sent together: sixteen
+    # clients built one after another spread the starts, and the first answer could end
+    # before the last stream reached the barrier.
+    client = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=32))
+    go, ready = threading.Barrier(16, timeout=60), threading.Barrier(17, timeout=120)
 
     def read(stream: RawStream) -> None:
-        with httpx.stream(
-            "POST", f"{proxy.url}/v1/chat/completions", json=chat_body(1000), timeout=120
-        ) as r:
-            stream.status = r.status_code
-            waited = False
-            for line in r.iter_lines():
-                record(stream, line)
-                if not waited and len(stream.chunks) == 5:
-                    ready.wait()
-                    waited = True
+        waited = False
+        try:
+            go.wait()
+            body = chat_body(1000)
+            with client.stream("POST", f"{proxy.url}/v1/chat/completions", json=body) as r:
+                stream.status = r.status_code
+                for line in r.iter_lines():
+                    record(stream, line)
+                    if not waited and len(stream.chunks) == 5:
+                        waited = True
+                        ready.wait()
+        finally:
+            if not waited:
+                ready.abort()  # the test fails at once rather than waiting on this stream
 
     threads = [threading.Thread(target=read, args=(s,)) for s in streams]
     for thread in threads:
         thread.start()
     ready.wait()
     with held(primary):  # no stream may finish while the handoff is on its way
-        assert handoff(proxy) == 16
+        moved = handoff(proxy)
+    assert moved == 16, [(len(s.chunks), s.finishes, s.notes) for s in streams]
     for thread in threads:
         thread.join()
+    client.close()
+    alone = solo_steps(primary.url, 1000)
     for stream in streams:
         assert_one_clean_stream(stream)
         assert len(stream.notes) == 1
-        assert_splice_up_to_ties(stream, primary.url, fallback.url, 1000)
+        assert_splice_up_to_ties(stream, alone, fallback.url, 1000)
 
 
 def test_recording_keeps_the_stitched_answer(
@@ -411,7 +424,7 @@ def test_recording_keeps_the_stitched_answer(
 ) -> None:
     flows_file = tmp_path / "session.flows"
     proxy = start_proxy(primary.url, [fallback.url], options=[f"save_stream_file={flows_file}"])
-    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, 20))
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=handoff_after(proxy, 20, primary))
     proxy.stop()
     with flows_file.open("rb") as f:
         flows = list(io.FlowReader(f).stream())
