@@ -32,7 +32,7 @@ def add_access_options(loader: Any) -> None:
     )  # fmt: skip
     loader.add_option(
         "spillover_forward_credentials", str, "",
-        "Fallbacks that also get the client's own Authorization and Cookie headers "
+        "Fallbacks that also get the client's own Authorization, X-Api-Key and Cookie headers "
         "(comma-separated URLs, or 'all'); the primary always gets them.",
     )  # fmt: skip
     loader.add_option(

@@ -1,8 +1,9 @@
 """Which credentials go to which server.
 
-The client's own credentials (`Authorization`, `Cookie`) go to the server it addressed,
-the primary, exactly as without the proxy, and to a fallback only where the owner says
-so (`spillover_forward_credentials`). Each server may have a key of its own
+The client's own credentials (`Authorization`; `X-Api-Key`, which Anthropic clients send
+and llama-server takes; `Api-Key`; `Cookie`) go to the server it addressed, the primary,
+exactly as without the proxy, and to a fallback only where the owner says so
+(`spillover_forward_credentials`). Each server may have a key of its own
 (`spillover_server_keys`): the addon uses it for its own questions, and for a fallback's
 legs once the primary has accepted the client's request, so a client that the primary
 would refuse is never let in with the owner's key. Recorded flows never hold any of them.
@@ -17,7 +18,9 @@ from mitmproxy import exceptions
 from addon.control import read_secret
 
 Header = tuple[bytes, bytes]
-CLIENT_CREDENTIALS = {b"authorization", b"cookie", b"proxy-authorization"}
+CLIENT_CREDENTIALS = {
+    b"authorization", b"x-api-key", b"api-key", b"cookie", b"proxy-authorization",
+}  # fmt: skip
 REDACTED = b"(redacted)"
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 from mitmproxy import io
 
+from scripts.prompts import PROMPT
 from tests.streams import assert_one_clean_stream, chat_body
 from tests.test_splice import LONG, handoff_after
 
@@ -75,6 +76,43 @@ def test_each_server_gets_its_own_key_and_recordings_hold_none(
         assert all(PRIMARY_KEY not in v for v in fl.request.headers.values())
     assert [leg.request.headers.get("authorization") for leg in legs] == ["(redacted)"] * 2
     assert [leg.request.headers.get("x-user") for leg in legs] == ["José"] * 2
+
+
+def test_an_x_api_key_goes_to_the_primary_only(start_server, start_proxy, tmp_path: Path) -> None:
+    """Anthropic's documented key header, X-Api-Key (curl, older SDKs and agents send it;
+    llama-server takes it as it takes Authorization): after a handoff of a Messages
+    stream, the fallback's leg carries the owner's key for it instead, and the recorded
+    legs show neither."""
+    primary = start_server("primary", extra_args=["--api-key", PRIMARY_KEY])
+    fallback = start_server("fallback", extra_args=["--api-key", FALLBACK_KEY])
+    flows_file = tmp_path / "session.flows"
+    keys = f"spillover_server_keys={primary.url}={PRIMARY_KEY},{fallback.url}={FALLBACK_KEY}"
+    proxy = start_proxy(
+        primary.url, [fallback.url], options=[keys, f"save_stream_file={flows_file}"]
+    )
+    proxy.servers_known()
+    body = {"model": "tiny", "max_tokens": LONG, "messages": PROMPT, "stream": True}
+    url = f"{proxy.url}/v1/messages"
+    assert httpx.post(url, json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    on_chunk, deltas, kinds = handoff_after(proxy, 12, primary), 0, []
+    with httpx.stream("POST", url, json=body, headers={"x-api-key": PRIMARY_KEY}) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kinds.append(line[7:])
+                if line == "event: content_block_delta":
+                    deltas += 1
+                    on_chunk(deltas)
+    assert kinds.count("message_stop") == 1 and kinds[-1] == "message_stop"
+    proxy.stop()
+    with flows_file.open("rb") as f:
+        flows = list(io.FlowReader(f).stream())
+    (answer,) = [fl for fl in flows if (fl.metadata.get("spillover") or {}).get("handoffs")]
+    first, second = [fl for fl in flows if fl.id in answer.metadata["spillover"]["legs"]]
+    assert first.request.headers.get("x-api-key") == "(redacted)"
+    assert second.request.port == fallback.port and "x-api-key" not in second.request.headers
+    assert second.request.headers.get("authorization") == "(redacted)"  # the owner's key
+    addon_made = [fl for fl in flows if "spillover_exchange" in fl.metadata]
+    assert all(PRIMARY_KEY not in v for fl in addon_made for v in fl.request.headers.values())
 
 
 def test_without_keys_the_status_says_what_is_turned_off(start_server, start_proxy) -> None:
