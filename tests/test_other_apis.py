@@ -499,3 +499,33 @@ def test_odd_bodies_get_the_servers_own_answer(servers, proxy, path: str) -> Non
             assert said(proxy.url, body) == said(primary.url, body), body
     log = proxy.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "Addon error" not in log, log[-3000:]
+
+
+END_EVENTS = {"/v1/messages": "message_stop", "/v1/responses": "response.completed"}
+TEXT_EVENTS = {"/v1/messages": "content_block_delta", "/v1/responses": "response.output_text.delta"}
+
+
+@pytest.mark.parametrize("path", list(ODD_BODIES))
+def test_odd_bodies_the_server_streams_are_handed_off_cleanly(servers, proxy, path: str) -> None:
+    """Every odd body the server streams an answer to, asked to hand off mid-answer: one
+    answer with one end, and no error of the proxy's. (An answer no other server can
+    continue, such as one after a prefill that is not text, stays where it is.)"""
+    primary, _ = servers
+    moved = []
+    for odd in ODD_BODIES[path]:
+        body = {"model": "tiny", "temperature": 0, **odd, "max_tokens": LONG, "stream": True}
+        body.setdefault("max_output_tokens", LONG)
+        if httpx.post(f"{primary.url}{path}", json=body, timeout=60).status_code != 200:
+            continue
+        deltas, kinds = 0, []
+        with httpx.stream("POST", f"{proxy.url}{path}", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line[7:])
+                    if line[7:] == TEXT_EVENTS[path] and (deltas := deltas + 1) == 3:
+                        with held(primary):
+                            moved.append(handoff(proxy, reason="test"))
+        assert kinds.count(END_EVENTS[path]) == 1 and kinds[-1] == END_EVENTS[path], (odd, kinds)
+    assert moved.count(1) >= 3, moved  # most of these shapes are carried, and were cut
+    log = proxy.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "Addon error" not in log, log[-3000:]
