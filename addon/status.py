@@ -33,6 +33,7 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
         "live": [
             {
                 "flow": flow_id,
+                "api": answer.splice.dialect.name,
                 "server": answer.splice.current.url,
                 "tokens": answer.splice.transcript.produced,
                 "handoffs": len(answer.splice.handoffs),

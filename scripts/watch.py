@@ -66,7 +66,8 @@ def answer_lines(status: dict[str, Any]) -> list[Any]:
         shadow = answer.get("shadow")
         shadowed = f"   shadow on {shadow['server']}" if shadow and not shadow["ended"] else ""
         rows.append(
-            f"  {answer['flow'][:8]}  on {answer['server']:28} {answer['tokens']:>6} tokens"
+            f"  {answer['flow'][:8]}  {answer['api']:15} on {answer['server']:28}"
+            f" {answer['tokens']:>6} tokens"
             f"   handoffs {answer['handoffs']}{shadowed}"
         )
     return section("answers", rows, "none streaming")

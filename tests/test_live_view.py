@@ -73,7 +73,8 @@ def test_the_view_shows_cards_servers_a_live_answer_and_its_handoff(
         def on_chunk(n: int) -> None:
             if n == 20:
                 with held(primary):  # the answer stays live while the screen is read
-                    view.wait_for(lambda s: f"on {primary.url}" in s and "tokens" in s)
+                    row = f"{'chat':15} on {primary.url}"  # the answer's API, its server
+                    view.wait_for(lambda s: row in s and "tokens" in s)
                     handoff(proxy, reason="seen in the view")
 
         stream = read_stream(proxy.url, chat_body(300), on_chunk=on_chunk)

@@ -160,6 +160,8 @@ def test_a_requested_handoff_continues_the_same_message(servers, proxy) -> None:
             pieces.append(piece)
             if len(pieces) == 12:
                 with held(primary):
+                    (live,) = httpx.get(f"{proxy.url}/spillover/status").json()["live"]
+                    assert live["api"] == "messages" and live["server"] == primary.url
                     assert handoff(proxy) == 1
         message = stream.get_final_message()
     assert message.usage.output_tokens == LONG and len(message.content) == 1
