@@ -47,14 +47,22 @@ class Credentials:
         key = self.keys.get(url)
         return {"authorization": f"Bearer {key}"} if key else {}
 
-    def may_start_on(self, url: str, primary: str) -> bool:
+    def may_start_on(self, url: str, primary: str, locked: frozenset[str]) -> bool:
         """Whether a new request may start on fallback `url` without the primary having
-        seen it: not when the primary needs a key (only it can judge the client's), nor
-        when the fallback would need its own key, which is used only for clients the
-        primary accepted."""
-        if self.keys.get(primary):
+        seen it: not when the primary needs a key (it has one here, or it is in `locked`,
+        the servers that turned the addon's questions away for want of one: only it can
+        judge the client's), nor when the fallback would need a key that the client's
+        request does not bring (its own is used only for clients the primary accepted)."""
+        if primary in locked or self.keys.get(primary):
             return False
-        return self.forward_all or url in self.forward or not self.keys.get(url)
+        forwarded = self.forward_all or url in self.forward
+        return forwarded or not (self.keys.get(url) or url in locked)
+
+    def admits(self, url: str, primary: str, locked: frozenset[str], accepted: bool) -> bool:
+        """Whether a client may be served on `url` now: anywhere once the primary has let
+        it in (`accepted`); before that, where `may_start_on` allows, so that a dead or
+        busy primary never opens the fallbacks to strangers."""
+        return accepted or url == primary or self.may_start_on(url, primary, locked)
 
     def leg_headers(
         self, url: str, client: Sequence[Header], primary: bool, accepted: bool

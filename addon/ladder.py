@@ -17,11 +17,17 @@ from addon.upstream import Upstream
 
 class Ladder:
     def __init__(
-        self, servers: Sequence[Upstream], state: Callable[[str], str] = lambda _: "ok"
+        self,
+        servers: Sequence[Upstream],
+        state: Callable[[str], str] = lambda _: "ok",
+        admits: Callable[[Upstream], bool] = lambda _: True,
     ) -> None:
-        """`state(url)`: the router's word for a server now (ok, pressured, down, draining)."""
+        """`state(url)`: the router's word for a server now (ok, pressured, down,
+        draining); `admits(server)`: whether the client may be served there now (see
+        Credentials.may_start_on)."""
         self.servers = list(servers)
         self.state = state
+        self.admits = admits
         self.at = 0  # the index of the server carrying the answer now
         self.failed: set[int] = set()
 
@@ -35,11 +41,13 @@ class Ladder:
         return [
             i
             for i in range(self.at + 1, len(self.servers))
-            if i not in self.failed and self.state(self.servers[i].url) == state
+            if i not in self.failed
+            and self.state(self.servers[i].url) == state
+            and self.admits(self.servers[i])
         ]
 
     def after_failure(self) -> int | None:
         """The current server failed the answer: where it goes now, if anywhere."""
         self.failed.add(self.at)
-        above = [i for i in range(self.at) if i not in self.failed]
+        above = [i for i in range(self.at) if i not in self.failed and self.admits(self.servers[i])]
         return next(iter([*self.below(), *above, *self.below("pressured")]), None)

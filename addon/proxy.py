@@ -204,7 +204,8 @@ class Spillover:
         origin = (request.scheme, request.host, request.port)
         primary = Upstream(ctx.options.spillover_primary or "{}://{}:{}".format(*origin))
         self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
-        ladder, route_note = self._ladder_for(primary, dialect.upper_bound(body))
+        locked = self.servers.wanting_keys()
+        ladder, route_note = self._ladder_for(primary, dialect.upper_bound(body), locked)
         splice = Splice(
             path=request.path,
             dialect=dialect,
@@ -225,6 +226,7 @@ class Spillover:
             ),
             exact=ctx.options.spillover_exact_replay,
             credentials=self.credentials,
+            locked=locked,
             pace=limits_from(ctx.options),
         )
         flow.metadata["spillover"] = {
@@ -238,17 +240,18 @@ class Spillover:
         request.headers[TOKEN_HEADER] = live.token
 
     def _ladder_for(
-        self, primary: Upstream, bound: int | None
+        self, primary: Upstream, bound: int | None, locked: frozenset[str]
     ) -> tuple[list[Upstream], str | None]:
         """The servers a new answer (of at most `bound` tokens) may use, the one it starts
-        on first, and why it does not start on the primary (when it does not)."""
+        on first, and why it does not start on the primary (when it does not); `locked`:
+        servers that want a key the addon was not given."""
         ladder = [primary, *self.fallbacks]
 
         def may_start(server: Upstream) -> bool:
             context = self.servers.get(server).slot_context
             fits = context is None or bound is None or bound <= context
             return server == primary or (
-                fits and self.credentials.may_start_on(server.url, primary.url)
+                fits and self.credentials.may_start_on(server.url, primary.url, locked)
             )
 
         return self.router.plan(ladder, may_start)

@@ -54,6 +54,8 @@ class ServerInfo:
     model: str | None = None
     # Questions it did not answer: {path: "why; what that turns off"}.
     unanswered: dict[str, str] = field(default_factory=dict)
+    # It turned a question away for want of a key (HTTP 401 or 403): it judges clients.
+    wants_key: bool = False
     # With spillover_slot_dir: what it computes (fingerprint.py), or why that is unknown.
     fingerprint: Fingerprint | str | None = None
 
@@ -100,9 +102,9 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 
 def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
-    why = (
-        f"HTTP {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError) else repr(exc)
-    )
+    status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+    why = f"HTTP {status}" if status is not None else repr(exc)
+    info.wants_key = info.wants_key or status in (401, 403)
     info.unanswered[path] = f"{why}; turns off {NEEDED_FOR[path]}"
     log.info("no answer to %s: %s", path, info.unanswered[path])
 
@@ -121,6 +123,10 @@ class ServerDirectory:
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
+
+    def wanting_keys(self) -> frozenset[str]:
+        """The servers that turned a question away for want of a key."""
+        return frozenset(server.url for server, info in self.info.items() if info.wants_key)
 
     def learn(self, upstreams: list[Upstream], fallbacks: bool = False) -> None:
         """Ask each server not yet known, in the background (one that could not answer

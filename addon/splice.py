@@ -57,12 +57,14 @@ class Splice:
         route_note: str | None = None,
         slot_for: Callable[[Upstream], int | None] = lambda _: None,
         migrator: Migrator | None = None,
+        locked: frozenset[str] = frozenset(),
     ) -> None:
         """`primary`: the server the client addressed (the ladder may start elsewhere);
         `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
         why the answer starts where it does, told to the client; `slot_for`: a server's
         slot that holds the answer already (a shadow prefill's, see shadow.py);
-        `migrator`: moves an answer's KV state to a server running the same model."""
+        `migrator`: moves an answer's KV state to a server running the same model;
+        `locked`: servers that want a key the addon was not given (see credentials.py)."""
         self.path = path
         self.dialect = dialect
         # post() sets these itself for each upstream.
@@ -92,7 +94,11 @@ class Splice:
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
         self.primary = primary or self.ladder[0]
-        self._rungs = Ladder(self.ladder, state_of)
+        self._rungs = Ladder(
+            self.ladder,
+            state_of,
+            lambda s: self._credentials.admits(s.url, self.primary.url, locked, self._accepted),
+        )
         self._on_down = on_down
         self._route_note = route_note
         self._slot_for = slot_for

@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 from mitmproxy import io
 
+from addon.credentials import Credentials
 from scripts.prompts import PROMPT
 from tests.streams import assert_one_clean_stream, chat_body
 from tests.test_splice import LONG, handoff_after
@@ -115,6 +117,32 @@ def test_an_x_api_key_goes_to_the_primary_only(start_server, start_proxy, tmp_pa
     assert all(PRIMARY_KEY not in v for fl in addon_made for v in fl.request.headers.values())
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["key given", "key not given"])
+def test_a_primary_that_wants_a_key_sees_every_new_request_first(
+    start_server, start_proxy, fallback, told: bool
+) -> None:
+    """Only a primary run with --api-key can judge a client's key, so no new request
+    starts on an open fallback without it, even while it is drained, nor moves there when
+    it is dead: whether the addon was given its key, or the primary turned the addon's
+    questions away (HTTP 401)."""
+    primary = start_server("primary", extra_args=["--api-key", PRIMARY_KEY])
+    options = [f"spillover_server_keys={primary.url}={PRIMARY_KEY}"] if told else []
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    assert proxy.servers_known()[primary.url]["wants_key"] is not told
+    drain = httpx.post(f"{proxy.url}/spillover/drain", json={"server": primary.url})
+    assert drain.json()["server"] == primary.url
+    body = {**chat_body(8), "stream": False}
+    stranger = httpx.post(f"{proxy.url}/v1/chat/completions", json=body)
+    assert stranger.status_code == 401 and "x-spillover-route" not in stranger.headers
+    key = {"authorization": f"Bearer {PRIMARY_KEY}"}
+    client = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers=key)
+    assert client.status_code == 200 and "x-spillover-route" not in client.headers
+    primary.kill()
+    for headers in ({}, key):  # as without the proxy: nobody is answered
+        dead = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers=headers)
+        assert dead.status_code == 502, (headers, dead.status_code, dead.headers)
+
+
 def test_without_keys_the_status_says_what_is_turned_off(start_server, start_proxy) -> None:
     primary = start_server("primary", extra_args=["--api-key", PRIMARY_KEY])
     proxy = start_proxy(primary.url, [])
@@ -139,3 +167,19 @@ def test_header_bytes_and_the_status_line_pass_through(primary, proxy) -> None:
     ) as r:
         assert r.status_code == 200 and r.reason_phrase == "OK"
         r.read()
+
+
+def test_where_a_new_request_may_start_without_the_primary() -> None:
+    credentials = Credentials({"http://own-key": "k"}, forward="http://forwarded")
+    assert credentials.may_start_on("http://open", "http://primary", frozenset())
+    assert not credentials.may_start_on(
+        "http://open", "http://primary", frozenset({"http://primary"})
+    )
+    # A fallback's own key serves only clients the primary accepted.
+    assert not credentials.may_start_on("http://own-key", "http://primary", frozenset())
+    # One that wants a key the client's request does not bring would refuse it.
+    assert not credentials.may_start_on("http://open", "http://primary", frozenset({"http://open"}))
+    # Unless the client's own credentials go there too.
+    assert credentials.may_start_on(
+        "http://forwarded", "http://primary", frozenset({"http://forwarded"})
+    )
