@@ -126,13 +126,16 @@ class Chat:
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
 
+    def limit(self, body: dict[str, Any]) -> int | None:
+        return token_limit(body)
+
     def upper_bound(self, body: dict[str, Any]) -> int | None:
         if isinstance(prompt := body.get("prompt"), list):  # a replay's token ids and text
             ids = sum(1 for p in prompt if isinstance(p, int))
-            texts = bound([[p for p in prompt if not isinstance(p, int)]], token_limit(body))
+            texts = bound([[p for p in prompt if not isinstance(p, int)]], self.limit(body))
             return None if texts is None else ids + texts
         if "messages" not in body:  # a completion's prompt, or a chat rendered into one
-            return bound([[prompt]], token_limit(body))
+            return bound([[prompt]], self.limit(body))
         if body.get("tools"):
             return None
         turns = [
@@ -140,7 +143,7 @@ class Chat:
             [m.get("content"), m.get("reasoning_content")]
             for m in body["messages"]
         ]  # fmt: skip
-        return bound(turns, token_limit(body))
+        return bound(turns, self.limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str

@@ -95,6 +95,10 @@ class Dialect(Protocol):
 
     def streaming(self, body: dict[str, Any]) -> bool: ...
 
+    def limit(self, body: dict[str, Any]) -> int | None:
+        """The most tokens the request lets the answer have, when it says."""
+        ...
+
     def upper_bound(self, body: dict[str, Any]) -> int | None:
         """At most this many tokens for the request on any server, by its size (see
         sizes.py); None where only a server can count it."""

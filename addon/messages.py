@@ -183,11 +183,14 @@ class Messages:
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
 
+    def limit(self, body: dict[str, Any]) -> int | None:
+        return token_limit(body)
+
     def upper_bound(self, body: dict[str, Any]) -> int | None:
         if body.get("tools"):
             return None
         turns = [[m.get("content")] if isinstance(m, dict) else None for m in body["messages"]]
-        return bound([[body.get("system")], *turns], token_limit(body))
+        return bound([[body.get("system")], *turns], self.limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str

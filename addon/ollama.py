@@ -175,6 +175,9 @@ class Ollama:
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is not False  # Ollama streams unless told not to
 
+    def limit(self, body: dict[str, Any]) -> int | None:
+        return _predicted(body)
+
     def upper_bound(self, body: dict[str, Any]) -> int | None:
         if body.get("tools"):
             return None
@@ -183,7 +186,7 @@ class Ollama:
             [m.get("content"), m.get("thinking")]
             for m in body["messages"]
         ]  # fmt: skip
-        return bound(turns, _predicted(body))
+        return bound(turns, self.limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
@@ -239,7 +242,7 @@ class OllamaGenerate(Ollama):
             return super().upper_bound(body)
         if body.get("images"):
             return None
-        return bound([[body.get("system")], [body.get("prompt")]], _predicted(body))
+        return bound([[body.get("system")], [body.get("prompt")]], self.limit(body))
 
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if (why := super().cannot_continue({**body, "messages": []}, transcript)) is not None:

@@ -297,13 +297,15 @@ class Responses:
     def streaming(self, body: dict[str, Any]) -> bool:
         return body.get("stream") is True
 
+    def limit(self, body: dict[str, Any]) -> int | None:
+        return positive_int(body.get("max_output_tokens"))
+
     def upper_bound(self, body: dict[str, Any]) -> int | None:
         if body.get("tools"):
             return None
         items = body["input"]
         turns = [[items]] if isinstance(items, str) else [_turn(item) for item in items]
-        limit = positive_int(body.get("max_output_tokens"))
-        return bound([[body.get("instructions")], *turns], limit)
+        return bound([[body.get("instructions")], *turns], self.limit(body))
 
     def reader(
         self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from addon.continuation import Transcript, token_limit
+from addon.continuation import Transcript
 from addon.credentials import Credentials, redacted
 from addon.dialect import Dialect, Rewriter
 from addon.exact import first_leg_asks
@@ -131,16 +131,17 @@ class Splice:
         self, reason: str, kind: str = "requested", targets: list[int] | None = None
     ) -> asyncio.Future[bool] | None:
         """Ask to move the answer to the first of `targets` (default: the servers below)
-        that has room for it. None when the answer is already complete or moving, when
-        there is nowhere to go, or when no other server could continue it faithfully;
-        otherwise a future that says whether it moved. When that server surely has room
-        the leg is cut at once; otherwise it carries on while servers are asked, and
-        stays if none has room."""
+        with room for it. None with nothing to move (the answer is complete, moving, or
+        has all its tokens), nowhere to go, or no server that could continue it
+        faithfully; else a future that says whether it moved. Where that server surely
+        has room the leg is cut at once; otherwise it goes on while servers are asked."""
         targets = self._rungs.below() if targets is None else targets
         if not targets or not self.can_cut or self._moving:
             return None
         self.transcript.settle()
-        if self.dialect.cannot_continue(self.body, self.transcript) is not None:
+        limit = self.dialect.limit(self.body)
+        spent = limit is not None and self.transcript.produced >= limit
+        if spent or self.dialect.cannot_continue(self.body, self.transcript) is not None:
             return None
         decided = time.monotonic()
         if self._next.fits_without_asking(self.ladder[targets[0]]):
@@ -161,7 +162,7 @@ class Splice:
         left = [h.kind for h in self.handoffs if h.source == self.primary.url]
         if (left[-1] if left else "route") not in BACK_FROM:
             return None
-        limit = token_limit(self.body)
+        limit = self.dialect.limit(self.body)
         if limit is not None and limit - self.transcript.produced < min_left:
             return None
         return self.handoff(f"{self.primary.url} is clear again", "handback", [home])

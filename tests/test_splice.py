@@ -267,6 +267,27 @@ def test_handoff_after_the_primarys_finish_is_refused(start_proxy, fallback: Lla
     fake.close()
 
 
+def test_handoff_after_the_last_allowed_token_is_refused(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Fake primary: it has written all max_tokens (2) and stalls before its finish chunk.
+    Nothing is left to move: a handoff there would make another server write one token
+    more than the client allowed."""
+    fake = FakeUpstream([
+        (STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river")), 1),
+        (chunked(sse_chunk(finish="length"), b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
+    ])  # fmt: skip
+    proxy = start_proxy(fake.url, [fallback.url])
+    counts: list[int] = []
+    stream = read_stream(
+        proxy.url, chat_body(2), on_chunk=lambda n: n == 3 and counts.append(handoff(proxy))
+    )
+    assert counts == [0]
+    assert_one_clean_stream(stream)
+    assert stream.segments == [" the river"] and stream.finishes == ["length"]
+    fake.close()
+
+
 def test_garbage_from_the_primary_hands_off_without_passing_it_on(
     start_proxy, fallback: LlamaServer
 ) -> None:
