@@ -249,42 +249,38 @@ def test_handoff_before_the_first_token(start_proxy, fallback: LlamaServer) -> N
     fake.close()
 
 
-def test_handoff_after_the_primarys_finish_is_refused(start_proxy, fallback: LlamaServer) -> None:
-    """Fake primary: it stalls between its finish chunk and [DONE]; the answer is whole."""
-    fake = FakeUpstream([
-        (STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the")), 0),
-        (chunked(sse_chunk(finish="stop")), 1),
-        (chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
-    ])  # fmt: skip
-    proxy = start_proxy(fake.url, [fallback.url])
-    counts: list[int] = []
-    stream = read_stream(
-        proxy.url, chat_body(30), on_chunk=lambda n: n == 2 and counts.append(handoff(proxy))
-    )
-    assert counts == [0]
-    assert_one_clean_stream(stream)
-    assert stream.segments == [" the"] and stream.finishes == ["stop"]
-    fake.close()
+NOTHING_LEFT = {
+    # It stalls between its finish chunk and [DONE]: the answer is whole.
+    "after its finish": (
+        chunked(sse_chunk(role=True), sse_chunk(" the"), sse_chunk(finish="stop")), 30,
+        chunked(b"data: [DONE]\n\n"), " the", "stop",
+    ),
+    # It has written all max_tokens (2) and stalls before its finish chunk: another server
+    # would write one token more than the client allowed.
+    "after the last allowed token": (
+        chunked(sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river")), 2,
+        chunked(sse_chunk(finish="length"), b"data: [DONE]\n\n"), " the river", "length",
+    ),
+}  # fmt: skip
 
 
-def test_handoff_after_the_last_allowed_token_is_refused(
-    start_proxy, fallback: LlamaServer
+@pytest.mark.parametrize("case", list(NOTHING_LEFT))
+def test_a_handoff_with_nothing_left_to_move_is_refused(
+    start_proxy, fallback: LlamaServer, case: str
 ) -> None:
-    """Fake primary: it has written all max_tokens (2) and stalls before its finish chunk.
-    Nothing is left to move: a handoff there would make another server write one token
-    more than the client allowed."""
-    fake = FakeUpstream([
-        (STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river")), 1),
-        (chunked(sse_chunk(finish="length"), b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
-    ])  # fmt: skip
+    """Fake primary, stalled for a second where a real llama-server cannot be made to."""
+    before, max_tokens, after, text, finish = NOTHING_LEFT[case]
+    fake = FakeUpstream([(STREAM_HEAD + before, 1), (after + b"0\r\n\r\n", 0)])
     proxy = start_proxy(fake.url, [fallback.url])
     counts: list[int] = []
     stream = read_stream(
-        proxy.url, chat_body(2), on_chunk=lambda n: n == 3 and counts.append(handoff(proxy))
+        proxy.url,
+        chat_body(max_tokens),
+        on_chunk=lambda n: n == 3 and counts.append(handoff(proxy)),
     )
     assert counts == [0]
     assert_one_clean_stream(stream)
-    assert stream.segments == [" the river"] and stream.finishes == ["length"]
+    assert stream.segments == [text] and stream.finishes == [finish]
     fake.close()
 
 
