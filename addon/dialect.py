@@ -200,11 +200,7 @@ def read_payloads(
     """Record the JSON objects among events that went out unread (what cannot be parsed
     was delivered as the server sent it, with nothing to account for)."""
     for event in events:
-        try:
-            payload = parse(event)
-        except ValueError:
-            continue
-        if isinstance(payload, dict):
+        if not isinstance(payload := json_object(event, parse), str):
             record(payload)
 
 
