@@ -3,7 +3,6 @@ as they arrive."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mitmproxy import http
@@ -13,6 +12,7 @@ from addon.dialect import Dialect
 from addon.messages import Messages
 from addon.ollama import Ollama, OllamaGenerate
 from addon.responses import Responses
+from addon.shape import loads, nested_deeper_than
 
 CHAT, TEXT = Chat("messages"), Chat("prompt")
 # Spliced routes, each with its wire format.
@@ -34,10 +34,10 @@ def spliceable(request: http.Request) -> tuple[dict[str, Any], Dialect] | None:
     if request.method != "POST" or dialect is None:
         return None
     try:
-        body = json.loads(request.content or b"")
+        body = loads(request.content or b"")  # (an undecodable body: a ValueError too)
     except ValueError:
         return None  # the server answers malformed JSON with its own clear 400
-    if not isinstance(body, dict) or not dialect.accepts(body):
+    if not isinstance(body, dict) or nested_deeper_than(body) or not dialect.accepts(body):
         return None  # malformed, or a shape not carried: passed through as it is
     return body, dialect
 

@@ -110,7 +110,7 @@ class ChatReader:
 class Chat:
     name = "chat"
     sizes_rooms = True
-    pins_slots = True
+    shadowed = True
 
     def __init__(self, field: str) -> None:
         self.field = field  # what the answer continues from: "messages" or "prompt"

@@ -18,6 +18,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 
 from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from addon.shape import loads
 
 CONTROL_PREFIX = "/spillover/"
 REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
@@ -114,12 +115,18 @@ class Control:
         return admitted
 
     async def answer(self, flow: http.HTTPFlow) -> None:
+        """Answer an admitted control request; it never goes on to a server."""
         route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
         method = flow.request.method
+        try:
+            content = flow.request.content or b"{}"
+        except ValueError:  # a Content-Encoding it is not in, or one mitmproxy cannot undo
+            flow.response = _json(400, {"error": "the body cannot be decoded"})
+            return
         if route == "handoff" and method == "POST":
-            flow.response = await self._handoff_route(flow.request.content or b"{}")
+            flow.response = await self._handoff_route(content)
         elif route in ("drain", "undrain") and method == "POST":
-            flow.response = self._drain_route(flow.request.content or b"{}", route == "drain")
+            flow.response = self._drain_route(content, route == "drain")
         elif route == "health" and method == "GET":
             flow.response = _json(200, {"ok": True})  # the proxy itself answers: for a guard
         elif route == "status" and method == "GET":
@@ -133,7 +140,7 @@ class Control:
 
     async def _handoff_route(self, content: bytes) -> http.Response:
         try:
-            args = json.loads(content)
+            args = loads(content)
         except ValueError:
             args = None
         if not isinstance(args, dict):
@@ -150,12 +157,13 @@ class Control:
 
     def _drain_route(self, content: bytes, on: bool) -> http.Response:
         try:
-            server = json.loads(content).get("server")
+            server = loads(content).get("server")
         except (ValueError, AttributeError):
             server = None
         if not isinstance(server, str) or not server:
             return _json(400, {"error": 'body must be {"server": "http://host:port"}'})
-        return _json(200, self._drain(server, on))
+        answer = self._drain(server, on)
+        return _json(404 if "error" in answer else 200, answer)
 
 
 def _json(status: int, payload: Any) -> http.Response:

@@ -6,7 +6,9 @@ exactly as without the proxy, and to a fallback only where the owner says so
 (`spillover_forward_credentials`). Each server may have a key of its own
 (`spillover_server_keys`): the addon uses it for its own questions, and for a fallback's
 legs once the primary has accepted the client's request, so a client that the primary
-would refuse is never let in with the owner's key. Recorded flows never hold any of them.
+would refuse is never let in with the owner's key. The flows the addon records of its own
+(legs, questions) never hold any of them; the client's own flow is recorded by mitmproxy
+as the client sent it, its credentials included.
 """
 
 from __future__ import annotations

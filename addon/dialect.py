@@ -84,10 +84,10 @@ class Dialect(Protocol):
     # Whether a continuation's room on a server can be measured (a chat prompt the server
     # renders); elsewhere a server that has no room refuses, and the ladder moves on.
     sizes_rooms: bool
-    # Whether answers are shadowed (prefilled on a pinned slot, see shadow.py): chat only.
-    # llama-server's Messages route drops `id_slot` and `cache_prompt`; Responses and
-    # Ollama are not shadowed yet.
-    pins_slots: bool
+    # Whether answers are shadowed (prefilled on the next server, see shadow.py): chat
+    # only. llama-server's Messages route drops `cache_prompt`; Responses and Ollama are
+    # not shadowed yet.
+    shadowed: bool
 
     def accepts(self, body: dict[str, Any]) -> bool:
         """Whether a parsed request body is one this dialect can carry."""

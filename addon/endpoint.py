@@ -20,7 +20,7 @@ from http import HTTPStatus
 import h11
 
 from addon.splice import Splice
-from addon.wire import ClientStream, Header
+from addon.wire import ClientStream, Header, framed
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class HttpClientStream:
         self.started = True
         head = h11.Response(
             status_code=status,
-            headers=[*headers, (b"Transfer-Encoding", b"chunked")],  # as llama-server writes it
+            headers=framed(headers, (b"Transfer-Encoding", b"chunked")),  # as llama-server does
             reason=reason or _phrase(status),
         )
         self._writer.write(self._conn.send(head))
@@ -61,7 +61,7 @@ class HttpClientStream:
         self.started = self.ended = True
         head = h11.Response(
             status_code=status,
-            headers=[*headers, (b"Content-Length", str(len(body)).encode())],
+            headers=framed(headers, (b"Content-Length", str(len(body)).encode())),
             reason=reason or _phrase(status),
         )
         self._writer.write(

@@ -55,6 +55,18 @@ def client_wants_logprobs(body: dict[str, Any]) -> bool:
     )
 
 
+def may_ask_for_ids(body: dict[str, Any]) -> bool:
+    """Whether the request may be changed to ask for token ids without changing what the
+    server decides about it: the client set none of the probability fields, or only
+    turned them off (`logprobs: false`, a boolean `post_sampling_probs`). Any other value
+    is the client's, and the server's to accept or refuse."""
+    if "top_logprobs" in body or "n_probs" in body:
+        return False
+    if body.get("logprobs", False) is not False:
+        return False
+    return isinstance(body.get("post_sampling_probs", False), bool)
+
+
 def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
     """The request, also asking for the id of each token it streams (cheaply: only the
     sampled token's probability after sampling)."""
@@ -71,12 +83,14 @@ def first_leg_asks(
     """Whether the first leg asks for token ids (another server on the ladder shares its
     tokenizer and could replay them), whether they are taken out again before the client
     sees them (it did not ask for them itself), and the first leg's request body."""
+    wants = client_wants_logprobs(body)
     asks = (
         servers is not None
         and eligible(path, body)
+        and (wants or may_ask_for_ids(body))
         and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
     )
-    strips = asks and not client_wants_logprobs(body)
+    strips = asks and not wants
     return asks, strips, json.dumps(asking_for_ids(body)).encode() if strips else raw_body
 
 
@@ -102,9 +116,11 @@ class NativeToChat:
     """Turns a native /completion stream's events into chat completion chunks (the
     pieces ride along as logprobs, which the splice strips unless the client asked)."""
 
-    def __init__(self, model: str | None, include_usage: bool) -> None:
+    def __init__(self, model: str | None, include_usage: bool, replayed: int = 0) -> None:
+        """`replayed`: the answer's token ids the prompt ends with (not the client's)."""
         self.model = model
         self.include_usage = include_usage
+        self.replayed = replayed
 
     def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
         probs = event.get("completion_probabilities") or []
@@ -124,7 +140,8 @@ class NativeToChat:
                 chunk["timings"] = event["timings"]  # as llama-server's own last chat chunk
             if self.include_usage:
                 completion = int(event.get("tokens_predicted") or 0)
-                prompt = int(event.get("tokens_evaluated") or 0)
+                # The client's prompt: what the server read, less the answer replayed.
+                prompt = max(0, int(event.get("tokens_evaluated") or 0) - self.replayed)
                 chunk["usage"] = {
                     "completion_tokens": completion,
                     "prompt_tokens": prompt,

@@ -175,7 +175,7 @@ def _assistant(text: str, thought: str) -> dict[str, Any]:
 class Messages:
     name = "messages"
     sizes_rooms = False
-    pins_slots = False
+    shadowed = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
         return has_messages(body)

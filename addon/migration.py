@@ -5,11 +5,14 @@ When the splice has cut the source's leg (at a token boundary: the delivered tok
 migrator finds the source's slot that holds the answer (idle, holding the prompt and the
 delivered tokens, give or take the few it wrote after the last delivered one), saves it
 into the directory both servers save slots in (`--slot-save-path`), restores it into a
-free slot of the target, and gives that slot to the continuation. The continuation goes
-on from the exact token ids, so llama-server reuses the restored cache as far as it
-matches them and reads only the rest: a wrong or stale slot costs time, never the text.
-Each step can fail or be cancelled; the file is always removed and a slot that was not
-used is given back, and the continuation then replays as it would have.
+free slot of the target. The continuation goes on from the exact token ids and names no
+slot: llama-server's own choice among idle slots (the one whose cache shares the most
+with the prompt) finds the restored one, unless a client took it meanwhile (a pinned
+request would reach into that client's answer: see shadow.py). It reuses the restored
+cache as far as it matches the ids and reads only the rest: a wrong, stale or taken slot
+costs time, never the text. Each step can fail, and the caller can be cancelled at any
+point (the steps then end on their own); the file is always removed and a slot that was
+not used is given back, and the continuation then replays as it would have.
 """
 
 from __future__ import annotations
@@ -127,11 +130,12 @@ class Moved:
 class Migrator:
     directory: Path | None  # where both servers save slots; None: no migration
     headers: Callable[[str], dict[str, str]] = lambda _: {}
-    avoid: Callable[[str], set[int]] = lambda _: set()  # a server's slots kept by others
     reserved: dict[str, set[int]] = field(default_factory=dict)  # restored, not yet used
     last: Moved | None = None  # the last migration tried
     rates: Rates = field(default_factory=Rates)
     _client: httpx.AsyncClient | None = None
+    _moving: set[asyncio.Future[Moved]] = field(default_factory=set)
+    _files: set[str] = field(default_factory=set)  # made by moves, not removed yet
 
     async def for_handoff(
         self, next_leg: NextLeg, servers: ServerDirectory, target: Upstream, handoff: Handoff
@@ -151,7 +155,7 @@ class Migrator:
             handoff.migration = Moved(why=f"not moved: {why}", tokens=holds or 0)
             return None
         assert holds is not None
-        handoff.migration = await self.move(source, target, holds, self.avoid(target.url))
+        handoff.migration = await self.move(source, target, holds)
         return handoff.migration.slot
 
     @property
@@ -161,6 +165,12 @@ class Migrator:
         return self._client
 
     async def close(self) -> None:
+        """Let moves under way end (as long as one may take), remove what they left."""
+        if self._moving:
+            await asyncio.wait(set(self._moving), timeout=MOVE_TIMEOUT_S)
+        if self.directory is not None:
+            for name in list(self._files):
+                self._remove(name)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -204,33 +214,47 @@ class Migrator:
         """The continuation took (or will never take) the restored slot."""
         self.reserved.get(target, set()).discard(slot)
 
-    async def move(
-        self, source: Upstream, target: Upstream, holds: int, avoid: set[int] | None = None
-    ) -> Moved:
+    async def move(self, source: Upstream, target: Upstream, holds: int) -> Moved:
         """Move the cut answer's state (`holds` tokens: prompt and delivered answer) from
-        `source` to a free slot of `target` other than `avoid`. Never raises for a failed
-        step: the outcome says what happened."""
+        `source` to a free slot of `target`. Never raises for a failed step: the outcome
+        says what happened. The steps run on their own: a caller cancelled meanwhile
+        leaves them to end (a server writes a file it was asked to save whatever happens
+        to the request), and what they made is then removed and released."""
+        assert self.directory is not None
+        abandoned = asyncio.Event()
+        steps = asyncio.ensure_future(self._move(source, target, holds, abandoned))
+        self._moving.add(steps)
+        steps.add_done_callback(self._moving.discard)
+        try:
+            return await asyncio.shield(steps)
+        except asyncio.CancelledError:
+            abandoned.set()
+            if steps.done() and (slot := steps.result().slot) is not None:
+                self.release(target.url, slot)  # it ended as the caller was cancelled
+            raise
+
+    async def _move(
+        self, source: Upstream, target: Upstream, holds: int, abandoned: asyncio.Event
+    ) -> Moved:
         assert self.directory is not None
         started = time.monotonic()
         moved = Moved(tokens=holds)
         name = f"spillover-{secrets.token_hex(8)}.bin"
+        self._files.add(name)
         slot = None
         try:
             found = await self._source_slot(source, holds)
             moved.find_ms = round((time.monotonic() - started) * 1000, 1)
-            save = asyncio.ensure_future(self._post(source, f"/slots/{found}?action=save", name))
-            try:
-                saved = await asyncio.shield(save)
-            except asyncio.CancelledError:
-                # The server writes the file whatever happens to this request: wait for it,
-                # so that it is there to be removed.
-                await asyncio.wait({save})
-                raise
+            if abandoned.is_set():
+                raise MigrationFailed("abandoned")
+            saved = await self._post(source, f"/slots/{found}?action=save", name)
             moved.save_ms = _ms(saved, "save_ms")
             moved.size = int(saved.get("n_written") or 0)
             if int(saved.get("n_saved") or 0) < holds - 1:
                 raise MigrationFailed(f"the source's slot held {saved.get('n_saved')} tokens")
-            slot = await self._free_slot(target, avoid or set())
+            if abandoned.is_set():
+                raise MigrationFailed("abandoned")
+            slot = await self._free_slot(target)
             restored = await self._post(target, f"/slots/{slot}?action=restore", name)
             moved.restore_ms = _ms(restored, "restore_ms")
             if int(restored.get("n_restored") or 0) < holds - 1:
@@ -239,14 +263,20 @@ class Migrator:
         except (MigrationFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             moved.why = f"migration failed: {_why(exc)}"
         finally:
-            (self.directory / name).unlink(missing_ok=True)
-            if slot is not None and moved.slot is None:
+            self._remove(name)
+            if slot is not None and (moved.slot is None or abandoned.is_set()):
                 self.release(target.url, slot)
+                moved.slot = None
             moved.took_ms = round((time.monotonic() - started) * 1000, 1)
             self.last = moved
         if moved.slot is not None:
             self.rates.moved(target.url, moved)
         return moved
+
+    def _remove(self, name: str) -> None:
+        assert self.directory is not None
+        (self.directory / name).unlink(missing_ok=True)
+        self._files.discard(name)
 
     async def _source_slot(self, source: Upstream, holds: int) -> int:
         """The idle slot of the cut source that holds the answer: the most recent task
@@ -264,10 +294,11 @@ class Migrator:
                 raise MigrationFailed("no idle slot of the source holds the answer")
             await asyncio.sleep(0.005)
 
-    async def _free_slot(self, target: Upstream, avoid: set[int]) -> int:
+    async def _free_slot(self, target: Upstream) -> int:
         """An idle slot of the target, an unused one first; reserved until released."""
-        taken = self.reserved.setdefault(target.url, set())
-        idle = unused_first(idle_slots(await self._slots(target), taken | avoid))
+        slots = await self._slots(target)
+        taken = self.reserved.setdefault(target.url, set())  # as it is after the await
+        idle = unused_first(idle_slots(slots, taken))
         if not idle:
             raise MigrationFailed("the target has no free slot")
         slot = int(idle[0]["id"])

@@ -14,6 +14,17 @@ from addon.shape import mapping
 from addon.upstream import Upstream
 
 
+def unpinned(body: dict[str, Any], raw_body: bytes) -> bytes:
+    """The client's body for a server other than the primary: without `id_slot` (the
+    client named one of the primary's slots; elsewhere that slot may be running another
+    answer, which a pinned request would change: see shadow.py)."""
+    if "id_slot" not in body:
+        return raw_body
+    moved = json.loads(raw_body)
+    moved.pop("id_slot", None)
+    return json.dumps(moved).encode()
+
+
 class NextLeg:
     """Builds continuation requests for one answer: from its token ids when the next
     server reads them the same way, else from its text; only for a server it fits on."""
@@ -38,18 +49,19 @@ class NextLeg:
         self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
 
     async def request(
-        self, upstream: Upstream, handoff: Handoff, slot: int | None = None
+        self, upstream: Upstream, handoff: Handoff, restored: bool = False
     ) -> tuple[str, bytes, Rewriter] | str:
         """The request that continues the answer on `upstream` (path, body and how to
-        rewrite its chunks), or why it cannot take it. `slot`: the server's slot that
-        already holds most of it (a shadow prefill's)."""
+        rewrite its chunks), or why it cannot take it. `restored`: a slot of the server
+        holds most of it (a migration's); the request names no slot, and the server's
+        own choice among idle slots finds it (see shadow.py)."""
         path, body, rewriter, handoff.replay = await self.continuation(upstream)
         if handoff.replay and seeded_sampling(self.body):
             handoff.caveat = "the sampling seed starts over on the new server"
         if (no_room := await self._no_room(upstream, body)) is not None:
             return no_room
-        if slot is not None:
-            body.update(id_slot=slot, cache_prompt=True)
+        if restored:
+            body["cache_prompt"] = True
         return path, json.dumps(body).encode(), rewriter
 
     async def continuation(
@@ -60,8 +72,10 @@ class NextLeg:
         native = await self._exact(upstream)
         if native is not None:
             body, rewriter = native
+            body.pop("id_slot", None)  # the client's, of the primary (see `unpinned`)
             return "/completion", body, rewriter, "token ids"
         body = self.dialect.continuation(self.body, self.transcript)
+        body.pop("id_slot", None)
         info = self._servers.get(upstream) if self._servers else None
         rewriter = self.dialect.rewriter(
             self.transcript, body, info.echoes_prefill if info else None
@@ -96,7 +110,7 @@ class NextLeg:
         prompt, ids = start
         body = native_body(self.body, prompt, ids, self.transcript.produced)
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
-        chat = NativeToChat(servers.get(upstream).model, include_usage=usage)
+        chat = NativeToChat(servers.get(upstream).model, include_usage=usage, replayed=len(ids))
         return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:

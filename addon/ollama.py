@@ -29,7 +29,7 @@ from addon.dialect import (
     prefilled,
     read_payloads,
 )
-from addon.shape import mapping, positive_int, text_of
+from addon.shape import loads, mapping, positive_int, text_of
 from addon.sizes import bound
 from addon.sse import MAX_EVENT_BYTES, EventTooLarge
 
@@ -80,7 +80,7 @@ class OllamaReader:
         )
 
     def take(self, event: bytes) -> list[Event] | str:
-        payload = json_object(event, json.loads)
+        payload = json_object(event, loads)
         if isinstance(payload, str):
             return f"garbled line from {self.server}: {payload}"
         if "error" in payload:
@@ -106,7 +106,7 @@ class OllamaReader:
             self.transcript.other_parts.add("tool calls")
 
     def read_block(self, block: bytes) -> None:
-        read_payloads(self.events(block), json.loads, self.record)
+        read_payloads(self.events(block), loads, self.record)
 
     def close(self) -> bytes | None:
         return None  # the last line is the answer's end: a stream without it is cut
@@ -167,7 +167,7 @@ def with_fewer_predicted(body: dict[str, Any], produced: int) -> dict[str, Any]:
 class Ollama:
     name = "ollama"
     sizes_rooms = False
-    pins_slots = False
+    shadowed = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
         return has_messages(body)

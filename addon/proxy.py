@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mitmproxy import command, ctx, flow, http
+from mitmproxy import command, ctx, exceptions, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from addon.carried import SPLICED, arrives_in_pieces, recorded, spliceable
@@ -59,11 +59,7 @@ class Spillover:
         )
         self.credentials = Credentials()
         self.shadows = Shadows(lambda url: self.credentials.question_headers(url))
-        self.migrator = Migrator(
-            None,
-            headers=lambda url: self.credentials.question_headers(url),
-            avoid=lambda url: self.shadows.slots.held.get(url, set()),
-        )
+        self.migrator = Migrator(None, headers=lambda url: self.credentials.question_headers(url))
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -107,8 +103,8 @@ class Spillover:
 
     def configure(self, updated: set[str]) -> None:
         if updated & {"spillover_shadow_max", "spillover_shadow_every"}:
-            self.shadows.slots.limit = ctx.options.spillover_shadow_max
-            self.shadows.slots.every = max(1, ctx.options.spillover_shadow_every)
+            self.shadows.budget.limit = ctx.options.spillover_shadow_max
+            self.shadows.budget.every = max(1, ctx.options.spillover_shadow_every)
         if "spillover_control_token" in updated:
             self.control.configure(ctx.options.spillover_control_token)
         if updated & {"spillover_server_keys", "spillover_forward_credentials"}:
@@ -217,7 +213,7 @@ class Spillover:
             state_of=lambda url: self.router.state(url)[0],
             on_down=lambda server, why: self.router.mark_down(server.url, why),
             route_note=route_note,
-            slot_for=lambda server: self.shadows.slot_for(flow.id, server),
+            settle=lambda server: self.shadows.settled(flow.id, server),
             migrator=self.migrator if self.migrator.directory else None,
             servers=self.servers,
             on_handoff=lambda handoff: self._record(flow, handoff),
@@ -296,7 +292,10 @@ class Spillover:
     def drain_command(self, server: str) -> int:
         """Move every live answer off a server and start no new one there; returns how
         many answers are moving."""
-        return self._drain(server, True)["moving"]
+        drained = self._drain(server, True)
+        if "error" in drained:
+            raise exceptions.CommandError(drained["error"])
+        return drained["moving"]
 
     @command.command("spillover.undrain")
     def undrain_command(self, server: str) -> None:
@@ -304,7 +303,11 @@ class Spillover:
         self._drain(server, False)
 
     def _drain(self, server: str, on: bool) -> dict[str, Any]:
+        """Drain a server of this proxy's (or let it take new requests again); a name
+        that is not one is refused, so what is kept stays bounded."""
         url = server.strip().rstrip("/")
+        if url not in {*self.server_urls(), *(u.url for u in self.servers.info)}:
+            return {"server": url[:200], "error": "not a server of this proxy"}
         if not on:
             self.router.draining.discard(url)
             return {"server": url, "state": self.router.state(url)[0]}

@@ -286,7 +286,7 @@ def _assistant(text: str) -> dict[str, Any]:
 class Responses:
     name = "responses"
     sizes_rooms = False
-    pins_slots = False
+    shadowed = False
 
     def accepts(self, body: dict[str, Any]) -> bool:
         items = body.get("input")

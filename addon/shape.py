@@ -7,7 +7,35 @@ read is treated as absent, or as a reason to leave the answer where it is.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+DEPTH_LIMIT = 100  # levels of nesting in a body the addon reads; deeper passes through
+
+
+def loads(raw: bytes | str) -> Any:
+    """`json.loads`, where a document nested too deep to parse is malformed like any
+    other (a ValueError, not a RecursionError)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read") from None
+
+
+def nested_deeper_than(value: Any, limit: int = DEPTH_LIMIT) -> bool:
+    """Whether lists and objects in `value` nest more than `limit` levels deep (walked
+    without recursion: copying or writing such a value again could exhaust the stack)."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [
+            child
+            for item in level
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not level:
+            return False
+    return True
 
 
 def positive_int(value: Any) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from addon.continuation import Transcript
@@ -23,12 +23,12 @@ from addon.exchange import Exchange
 from addon.handoff import Handoff
 from addon.ladder import Ladder
 from addon.migration import Migrator
-from addon.nextleg import NextLeg
+from addon.nextleg import NextLeg, unpinned
 from addon.pace import Pace, PaceLimits
 from addon.pump import Pump
 from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
-from addon.wire import ClientStream, Header, forwardable, passed_back
+from addon.wire import ClientStream, Header, asks_to_close, forwardable, passed_back
 
 NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
@@ -55,14 +55,15 @@ class Splice:
         state_of: Callable[[str], str] = lambda _: "ok",
         on_down: Callable[[Upstream, str], None] = lambda *_: None,
         route_note: str | None = None,
-        slot_for: Callable[[Upstream], int | None] = lambda _: None,
+        settle: Callable[[Upstream], Awaitable[bool]] | None = None,
         migrator: Migrator | None = None,
         locked: frozenset[str] = frozenset(),
     ) -> None:
         """`primary`: the server the client addressed (the ladder may start elsewhere);
         `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
-        why the answer starts where it does, told to the client; `slot_for`: a server's
-        slot that holds the answer already (a shadow prefill's, see shadow.py);
+        why the answer starts where it does, told to the client; `settle(server)`: once a
+        shadow prefill of the answer in flight there is done, whether one holds the answer
+        there (see shadow.py);
         `migrator`: moves an answer's KV state to a server running the same model;
         `locked`: servers that want a key the addon was not given (see credentials.py)."""
         self.path = path
@@ -73,6 +74,8 @@ class Splice:
             for k, v in forwardable(headers)
             if k.lower() not in (b"host", b"accept-encoding")
         ]
+        if asks_to_close(headers):
+            self.headers.append((b"connection", b"close"))
         self._credentials = credentials or Credentials()
         self._accepted = False  # the primary has answered: the client is one it lets in
         # The primary's own error response, if it refused before any byte went out.
@@ -101,7 +104,7 @@ class Splice:
         )
         self._on_down = on_down
         self._route_note = route_note
-        self._slot_for = slot_for
+        self._settle = settle
         self._migrator = migrator
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
@@ -282,25 +285,47 @@ class Splice:
         why the leg failed."""
         upstream = self.current
         self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
-        slot = None  # a continuation's slot that holds the answer already
-        if not self.handoffs:
-            path, body, rewriter = self.path, self.raw_body, None
-        else:
-            try:
-                slot = self._slot_for(upstream)
-                if slot is None and self._migrator is not None and self._servers is not None:
-                    slot = await self._migrator.for_handoff(
-                        self._next, self._servers, upstream, self.handoffs[-1]
-                    )
-                request = await self._next.request(upstream, self.handoffs[-1], slot)
-            except Exception as exc:  # one answer's odd shape must not end it unexplained
-                log.exception("cannot build the continuation for %s", upstream.url)
-                request = f"cannot build a continuation for {upstream.url}: {exc!r}"
-            self._note(client)
-            if isinstance(request, str):
-                self._release(upstream, slot)
-                return request
-            path, body, rewriter = request
+        restored: int | None = None  # a migration's slot on `upstream` that holds the answer
+        try:
+            if not self.handoffs:
+                body = self.raw_body
+                if upstream != self.primary:
+                    body = unpinned(self.body, body)
+                path, rewriter = self.path, None
+            else:
+                try:
+                    restored = await self._carry_state(upstream)
+                    handoff = self.handoffs[-1]
+                    request = await self._next.request(upstream, handoff, restored is not None)
+                except Exception as exc:  # one answer's odd shape must not end it unexplained
+                    log.exception("cannot build the continuation for %s", upstream.url)
+                    request = f"cannot build a continuation for {upstream.url}: {exc!r}"
+                self._note(client)
+                if isinstance(request, str):
+                    return request
+                path, body, rewriter = request
+            return await self._stream_leg(client, upstream, path, body, rewriter)
+        finally:
+            if restored is not None and self._migrator is not None:
+                # Kept from other migrations until its continuation has been answered.
+                self._migrator.release(upstream.url, restored)
+
+    async def _carry_state(self, upstream: Upstream) -> int | None:
+        """Before a continuation on `upstream`: let a shadow prefill in flight there end;
+        where none holds the answer, move its KV state there when a migration should
+        (the slot it is in)."""
+        if self._settle is not None and await self._settle(upstream):
+            return None  # the shadow's slot holds almost all of it
+        if self._migrator is None or self._servers is None:
+            return None
+        return await self._migrator.for_handoff(
+            self._next, self._servers, upstream, self.handoffs[-1]
+        )
+
+    async def _stream_leg(
+        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
+        rewriter: Rewriter | None,
+    ) -> str | None:  # fmt: skip
         headers = self._credentials.leg_headers(
             upstream.url, self.headers, upstream == self.primary, self._accepted
         )
@@ -318,16 +343,9 @@ class Splice:
         else:
             exchange.end("complete" if failure is None else "failed", failure)
         finally:
-            self._release(upstream, slot)
             if self._on_exchange is not None:
                 self._on_exchange(exchange)
         return failure
-
-    def _release(self, upstream: Upstream, slot: int | None) -> None:
-        """A migrated state's slot is kept from other migrations until its continuation
-        has been answered there (or never will be)."""
-        if slot is not None and self._migrator is not None:
-            self._migrator.release(upstream.url, slot)
 
     async def _exchange(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,

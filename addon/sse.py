@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from addon.shape import loads
+
 DONE = b"data: [DONE]"
 TERMINATOR = b"\n\n"
 
@@ -103,7 +105,7 @@ def parse(event: bytes) -> Any:
     payload = data_of(event)
     if payload is None or payload.strip() == b"[DONE]":
         return None
-    return json.loads(payload)
+    return loads(payload)
 
 
 def is_done(event: bytes) -> bool:

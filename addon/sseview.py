@@ -13,6 +13,8 @@ from typing import Any
 from mitmproxy import contentviews
 from mitmproxy.contentviews import Metadata
 
+from addon.shape import loads
+
 NAME = "Spillover SSE"
 PRIORITY_SPLICED = 2.0  # above every built-in view for the addon's own flows
 PRIORITY_OTHER_SSE = 0.05  # selectable for any event stream, but "raw" (0.1) stays the default
@@ -61,7 +63,7 @@ class SpilloverSSE(contentviews.Contentview):
             out.append(f"{PAD}[DONE]")
             return tokens
         try:
-            chunk = json.loads(raw)
+            chunk = loads(raw)
         except ValueError:
             chunk = None
         if not isinstance(chunk, dict):

@@ -42,7 +42,7 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
             for flow_id, answer in live.items()
         ],
         "recent_handoffs": list(spillover.metrics.recent),
-        "shadows": spillover.shadows.slots.status(),
+        "shadows": spillover.shadows.budget.status(),
         "migration": spillover.migrator.status(),
         **{name: part() for name, part in spillover.status_parts.items()},
     }

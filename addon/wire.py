@@ -15,8 +15,8 @@ HOP_BY_HOP = {
     b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
     b"upgrade", b"proxy-authenticate", b"proxy-authorization", b"content-encoding",
 }  # fmt: skip
-# A response reaches the client with every header the server wrote but its framing: the
-# endpoint frames the body itself (chunked for a stream).
+# A response reaches the client with every header the server wrote, in its order; the
+# endpoint frames the body itself (chunked for a stream), where the server's framing was.
 FRAMING = {b"transfer-encoding", b"content-length"}
 Header = tuple[bytes, bytes]
 
@@ -46,8 +46,29 @@ def forwardable(headers: Sequence[Header]) -> list[Header]:
 
 
 def passed_back(headers: Sequence[Header]) -> list[Header]:
-    """A server's response headers as the client gets them."""
-    return [(k, v) for k, v in headers if k.lower() not in FRAMING]
+    """A server's response headers as the client gets them (see `framed`)."""
+    return list(headers)
+
+
+def framed(headers: Sequence[Header], framing: Header) -> list[Header]:
+    """`headers` with `framing` (how the endpoint frames the body) in the place of the
+    first framing header they have, and no other; at the end when they have none."""
+    out: list[Header] = []
+    for name, value in headers:
+        if name.lower() not in FRAMING:
+            out.append((name, value))
+        elif framing not in out:
+            out.append(framing)
+    return out if framing in out else [*out, framing]
+
+
+def asks_to_close(headers: Sequence[Header]) -> bool:
+    """Whether a client's request says `Connection: close` (its leg says so too, so the
+    server's answer reads as it would to the client directly)."""
+    return any(
+        k.lower() == b"connection" and b"close" in [t.strip() for t in v.lower().split(b",")]
+        for k, v in headers
+    )
 
 
 def error_event(message: str, code: int = 503) -> bytes:

@@ -13,7 +13,13 @@ switch is printed with the time. The fix can then never become the outage.
 
 Behind a guard every client looks local to the proxy. Listening on a non-loopback
 address therefore needs `--public`, and the proxy run with
-`--set spillover_control_local=false` (its control routes then need the token).
+`--set spillover_control_local=false` (its control routes then need the token): give the
+guard the same token with `--token-file`, so that its health check is still answered by
+the proxy and not passed on to the primary (`scripts.services` sets both up).
+
+A connection that carries nothing either way for `--idle-s` is closed, and when the
+connections would use more descriptors than the guard may open, the one idle the longest
+makes room for the new one: idle sockets cannot starve the clients that are asking.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import resource
 import sys
 import time
 from pathlib import Path
@@ -29,8 +36,40 @@ from pathlib import Path
 from scripts.processes import ManagedProcess
 
 CONNECT_TIMEOUT_S = 2.0
-HEALTH_REQUEST = b"GET /spillover/health HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n\r\n"
 READ_SIZE = 65536
+IDLE_S = 600.0  # longer than a long prompt's reading, when a stream is silent both ways
+SPARE_FDS = 64  # descriptors kept for the listener, health checks and the rest
+
+
+def health_request(token: str) -> bytes:
+    bearer = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (
+        f"GET /spillover/health HTTP/1.1\r\nHost: guard\r\n{bearer}Connection: close\r\n\r\n"
+    ).encode()
+
+
+def connection_limit() -> int:
+    """How many relayed connections fit in the descriptors this process may open (two
+    each), after raising its soft limit as far as the hard one allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    return max(1, (soft - SPARE_FDS) // 2)
+
+
+class Relayed:
+    """One client connection and the one it is relayed to, with when bytes last moved."""
+
+    def __init__(self, client: asyncio.StreamWriter) -> None:
+        self.sides = [client]
+        self.last = time.monotonic()
+
+    def close(self) -> None:
+        for side in self.sides:
+            side.transport.abort()
 
 
 def address(text: str) -> tuple[str, int]:
@@ -58,12 +97,34 @@ class Guard:
         timeout_s: float = 1.0,
         fails: int = 2,
         passes: int = 2,
+        token: str = "",
+        idle_s: float = IDLE_S,
+        max_connections: int | None = None,
     ) -> None:
         self.proxy, self.primary = proxy, primary
         self.every_s, self.timeout_s = every_s, timeout_s
         self.fails, self.passes = fails, passes
         self.via_proxy = True
+        self.idle_s = idle_s
+        self.max_connections = max_connections or connection_limit()
+        self.open: set[Relayed] = set()
+        self._health = health_request(token)
         self._streak = 0  # checks in a row that disagree with the current way
+
+    async def close_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_s / 4))
+            cutoff = time.monotonic() - self.idle_s
+            for relayed in [r for r in self.open if r.last < cutoff]:
+                self.open.discard(relayed)
+                relayed.close()
+
+    def make_room(self) -> None:
+        """Close the connection idle the longest when the next one would not fit."""
+        if len(self.open) >= self.max_connections:
+            longest = min(self.open, key=lambda r: r.last)
+            self.open.discard(longest)
+            longest.close()
 
     async def watch(self) -> None:
         while True:
@@ -84,7 +145,7 @@ class Guard:
             async with asyncio.timeout(self.timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
                 try:
-                    writer.write(HEALTH_REQUEST)
+                    writer.write(self._health)
                     status = await reader.readline()
                 finally:
                     writer.close()
@@ -97,6 +158,18 @@ class Guard:
     async def relay(
         self, client_reader: asyncio.StreamReader, client: asyncio.StreamWriter
     ) -> None:
+        relayed = Relayed(client)
+        self.make_room()
+        self.open.add(relayed)
+        try:
+            await self._relay(relayed, client_reader, client)
+        finally:
+            self.open.discard(relayed)
+            relayed.close()
+
+    async def _relay(
+        self, relayed: Relayed, client_reader: asyncio.StreamReader, client: asyncio.StreamWriter
+    ) -> None:
         upstream = None
         for target in (self.proxy, self.primary) if self.via_proxy else (self.primary,):
             try:
@@ -107,19 +180,24 @@ class Guard:
                 if target == self.proxy:
                     say("proxy refused a connection: it goes straight to the primary")
         if upstream is None:
-            client.close()
             return
         up_reader, up_writer = upstream
+        relayed.sides.append(up_writer)
         await asyncio.gather(
-            _pipe(client_reader, up_writer), _pipe(up_reader, client), return_exceptions=True
+            _pipe(client_reader, up_writer, relayed),
+            _pipe(up_reader, client, relayed),
+            return_exceptions=True,
         )
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, relayed: Relayed
+) -> None:
     """One direction; when it ends (or breaks), the other side is closed too, and the
     other direction ends with it."""
     try:
         while data := await reader.read(READ_SIZE):
+            relayed.last = time.monotonic()
             writer.write(data)
             await writer.drain()
     except OSError:
@@ -137,7 +215,7 @@ async def serve(listen: tuple[str, int], guard: Guard) -> None:
         + ("through the proxy" if answered else f"straight to the primary (proxy: {why})")
     )
     async with server:
-        await asyncio.gather(server.serve_forever(), guard.watch())
+        await asyncio.gather(server.serve_forever(), guard.watch(), guard.close_idle())
 
 
 class GuardProcess(ManagedProcess):
@@ -147,15 +225,18 @@ class GuardProcess(ManagedProcess):
     name = "guard"
     health_path = "/spillover/health"  # relayed: healthy once the proxy behind answers
 
-    def __init__(self, proxy_port: int, primary: str, log_dir: Path | None = None) -> None:
+    def __init__(
+        self, proxy_port: int, primary: str, log_dir: Path | None = None, extra_args=()
+    ) -> None:
         super().__init__(log_dir=log_dir)
         self.proxy_port, self.primary = proxy_port, primary
+        self.extra_args = list(extra_args)
 
     def argv(self) -> list[str]:
         return [
             sys.executable, "-m", "scripts.guard", "--listen", f"127.0.0.1:{self.port}",
             "--proxy", f"127.0.0.1:{self.proxy_port}", "--primary", self.primary,
-            "--every-s", "0.2", "--timeout-s", "0.5",
+            "--every-s", "0.2", "--timeout-s", "0.5", *self.extra_args,
         ]  # fmt: skip
 
     def said(self) -> list[str]:
@@ -172,6 +253,15 @@ def main() -> None:
     parser.add_argument("--fails", type=int, default=2)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument(
+        "--token-file", type=Path,
+        help="the proxy's control token (spillover_control_token), for its health check",
+    )  # fmt: skip
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="close idle connections")
+    parser.add_argument(
+        "--max-connections", type=int, default=None,
+        help="at most this many connections (default: as many as the descriptors allow)",
+    )  # fmt: skip
+    parser.add_argument(
         "--public", action="store_true",
         help="allow a non-loopback --listen (run the proxy with spillover_control_local=false)",
     )  # fmt: skip
@@ -179,11 +269,19 @@ def main() -> None:
     if not is_loopback(args.listen[0]) and not args.public:
         print(
             "guard: a non-loopback --listen makes every client look local to the proxy: "
-            "add --public and run the proxy with --set spillover_control_local=false",
+            "add --public, run the proxy with --set spillover_control_local=false and a "
+            "spillover_control_token, and give the guard that token with --token-file",
             file=sys.stderr,
         )
         sys.exit(2)
-    guard = Guard(args.proxy, args.primary, args.every_s, args.timeout_s, args.fails, args.passes)
+    token = ""
+    if args.token_file is not None:
+        lines = args.token_file.read_text().splitlines()
+        token = lines[0].strip() if lines else ""
+    guard = Guard(
+        args.proxy, args.primary, args.every_s, args.timeout_s, args.fails, args.passes,
+        token=token, idle_s=args.idle_s, max_connections=args.max_connections,
+    )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args.listen, guard))
 

@@ -9,13 +9,19 @@ fail-open guard, with the options in one file a person edits.
 confdir of its own; kept if it exists), `spillover-proxy.service` (mitmdump, restarted
 on failure) and `spillover-guard.service` (the guard on the clients' port) in
 `~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes).
-`uninstall` stops and removes the services; `--purge` removes the options file too.
+A non-loopback `--listen` is public: the proxy then trusts no local client on its control
+routes, and proxy and guard share a control token in `~/.config/spillover/control-token`
+(made once, mode 0600), which the guard's health check carries.
+`uninstall` stops and removes the services; `--purge` removes the options file and the
+token too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -31,10 +37,25 @@ def config_home() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
 
 
+def token_file() -> Path:
+    return config_home() / "spillover" / "control-token"
+
+
+def ensure_token() -> Path:
+    """The control token the proxy and the guard share (made once, readable by its owner
+    only): the guard's health check carries it where local clients are not trusted."""
+    path = token_file()
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) -> str:
     # Behind a guard on a public address every client looks local: no control without
-    # the token then.
-    local = "spillover_control_local: false\n" if public else ""
+    # the token then (the guard has it too, for its health check).
+    token = json.dumps(f"@{token_file()}")
+    local = f"spillover_control_local: false\nspillover_control_token: {token}\n" if public else ""
     return (
         "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
         "# or spillover_* option (see the README's table). Restart the service after an edit:\n"
@@ -43,7 +64,7 @@ def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) ->
         f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
         "scripts:\n"
         f"  - {REPO / 'addon' / 'spillover.py'}\n"
-        f"spillover_fallbacks: {fallbacks}\n"
+        f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
         f"{local}"
         "flow_detail: 0\n"
     )
@@ -66,7 +87,7 @@ def proxy_unit(confdir: Path) -> str:
 
 def guard_unit(listen: str, proxy_port: int, primary: str, public: bool) -> str:
     target = primary.split("//", 1)[-1].rstrip("/")
-    extra = " --public" if public else ""
+    extra = f" --public --token-file {token_file()}" if public else ""
     return (
         "[Unit]\n"
         "Description=spillover guard: clients reach the primary when the proxy is down\n"
@@ -96,8 +117,15 @@ def install(args: argparse.Namespace) -> None:
     units.mkdir(parents=True, exist_ok=True)
     options = confdir / "config.yaml"
     public = not is_loopback(address(args.listen)[0])
+    if public:
+        ensure_token()
     if options.exists():
         print(f"services: keeping {options} as it is")
+        if public and "spillover_control_token" not in options.read_text():
+            print(
+                f"services: the guard checks the proxy with the token in {token_file()}: "
+                f"add spillover_control_token: '@{token_file()}' to {options}"
+            )
     else:
         options.write_text(options_file(args.primary, args.fallbacks, args.proxy_port, public))
         print(f"services: wrote {options}")

@@ -1,19 +1,33 @@
-"""Soak test: many streams through a real mitmdump with the addon while handoffs happen.
+"""Soak test: many answers through the guard and a real mitmdump with the addon while
+handoffs, shadows, migrations, kills and stalls happen, and nothing the addon does on
+its own may change another answer.
 
-Two llama-servers on the tiny models (the primary on fake card0, the fallback on card1 of
-a sysfs tree of real files) behind mitmdump with the addon, all on 127.0.0.1. For M
-minutes (after a 6 s warm-up of the same), 8 client streams at a time, plus: a handoff
-of every live stream asked for (POST /spillover/handoff) every 2 s, card0 stepped past
-the memory lines and back every 2-5 s, some streams closed after a random number of
-chunks, and a malformed request every 3 s, which must get a JSON answer (or, if the
-server takes it, a clean stream). A stream is clean (200, every data line JSON, one
-[DONE], one finish_reason, no error event, one id), cancelled (closed by the soak) or
-broken. Prints a summary: outcomes, handoffs, mitmdump's RSS and descriptors after the
-warm-up and at the end, the addon's own counts, live streams and logged tracebacks, the
-servers' busy slots. Exits 1 if a stream broke, a malformed request got no
-well-formed answer, or mitmdump logged a traceback.
+Three llama-servers on the tiny models: the primary (fake card0 of a sysfs tree of real
+files), a twin running the same model (card1: answers migrate there with their KV
+state, the two share a slot directory) and a smaller fallback (card2), behind mitmdump
+with the addon as `scripts.services` sets it up for a public address (control routes
+need the token; shadows on, always), behind the fail-open guard, which checks the proxy
+with the token. For M minutes (after a 6 s warm-up of the same): 8 client streams at a
+time, each asking for usage; a handoff of every live stream asked for every 2 s; card0
+stepped past the memory lines and back every 2-5 s; some streams closed after a random
+number of chunks, and some 0-120 ms after their first handoff (a migration may be under
+way); the small fallback SIGKILLed and started again every 40 s, the primary stopped
+(SIGSTOP) for 3 s every 30 s; a malformed request every 3 s, which must get a JSON
+answer (or, if the server takes it, a clean stream); and on the twin and the small
+fallback, clients of their own (scripts/victims.py), each answer checked for its exact
+token count and, token by token, against the same request made alone.
 
-    .venv/bin/python -m scripts.soak [--minutes M] [--seed S]
+A stream is clean (200, every data line JSON, one [DONE], one finish_reason, no error
+event, one id, usage that counts the content it carried, all max_tokens when it ended
+for length), cancelled (closed by the soak) or broken. Prints a summary: outcomes,
+handoffs, migrations, shadow updates, victims, mitmdump's RSS and descriptors after the
+warm-up, at the end and once idle, the addon's own counts, live streams, tracebacks,
+slot files and busy slots left. Exits 1 if a stream broke, a victim's answer changed, a
+malformed request got no well-formed answer, mitmdump logged a traceback, the guard
+left the proxy, or a slot file or reserved slot was left behind. `--trace-memory`
+loads scripts/memtrace.py into mitmdump and prints where its memory grew.
+
+    .venv/bin/python -m scripts.soak [--minutes M] [--seed S] [--trace-memory]
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ import json
 import os
 import random
 import re
+import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -36,9 +52,11 @@ from typing import Any
 
 import httpx
 
+from scripts import victims
+from scripts.guard import GuardProcess
 from scripts.llamaserver import LlamaServer
 from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.mitm import REPO, Mitmdump, watch_sysfs
 from scripts.processes import running
 from scripts.prompts import PROMPT, chat_body
 from scripts.tinymodels import ensure_models
@@ -47,11 +65,15 @@ CONCURRENCY = 8
 WARM_UP_S = 6.0  # a short soak first, so the start sample has seen every path once
 STREAM_TIMEOUT = 60.0  # seconds one request may take, start to end
 CANCEL_SHARE = 0.15  # of streams the soak closes early
+CANCEL_AFTER_HANDOFF = (0.3, 0.12)  # share of handed-off streams closed, within seconds
 HANDOFF_EVERY = 2.0
 PRESSURE_EVERY = (2.0, 5.0)  # seconds between steps, drawn uniformly
 PRESSURE_HOLD = 0.5  # the watcher needs two samples in a row past a line
 CARD_TOTAL, CARD_USED, CARD_STEP = 16384, 10000, 15041  # MiB: +5,041 leaves 1,343 free
 MALFORMED_EVERY = 3.0
+KILL_EVERY, STOP_EVERY, STOP_FOR = 40.0, 30.0, 3.0
+VICTIM_TOKENS, VICTIM_PROMPTS = 300, 3
+SLOT_FILES = "spillover-*.bin"
 JSON_HEADERS = {"content-type": "application/json"}
 PREFILL_PARTS = {"role": "assistant", "content": [{"type": "text", "text": "Once upon"}]}
 
@@ -84,6 +106,10 @@ class Seen:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     cancelled: bool = False
+    max_tokens: int | None = None
+    deltas: int = 0  # content deltas: one per token
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
 
     def take(self, line: str) -> None:
         if line.startswith(": spillover:"):
@@ -101,13 +127,26 @@ class Seen:
                 return
             self.chunks += 1
             self.ids.add(payload.get("id"))
-            self.finishes += sum(1 for c in payload.get("choices") or () if c.get("finish_reason"))
+            for choice in payload.get("choices") or ():
+                self.deltas += bool((choice.get("delta") or {}).get("content"))
+                if choice.get("finish_reason"):
+                    self.finishes += 1
+                    self.finish = choice["finish_reason"]
+            if payload.get("usage"):
+                self.usage = payload["usage"]
 
     def faults(self) -> list[str]:
         if self.status != 200 or not self.event_stream:
             return [*self.problems, f"HTTP {self.status}, not an event stream"]
+        if self.cancelled:
+            return self.problems
         counts = {"[DONE]s": self.done, "finish_reasons": self.finishes, "ids": len(self.ids)}
-        wrong = [] if self.cancelled else [f"{n} {k}" for k, n in counts.items() if n != 1]
+        wrong = [f"{n} {k}" for k, n in counts.items() if n != 1]
+        counted = (self.usage or {}).get("completion_tokens")
+        if self.usage is not None and counted != self.deltas:
+            wrong.append(f"usage counts {counted} tokens, the stream carried {self.deltas}")
+        if self.finish == "length" and self.max_tokens not in (None, self.deltas):
+            wrong.append(f"ended for length after {self.deltas} of {self.max_tokens} tokens")
         return self.problems + wrong
 
 
@@ -121,6 +160,11 @@ class Tally:
     steps: int = 0
     malformed: Counter[str] = field(default_factory=Counter)  # "kind: answer"
     malformed_bad: list[str] = field(default_factory=list)
+    victims: Counter[str] = field(default_factory=Counter)  # outcome
+    victims_changed: list[str] = field(default_factory=list)
+    kills: int = 0
+    stops: int = 0
+    cancelled_after_handoff: int = 0
 
     def add(self, seen: Seen) -> None:
         self.notes.update(note_kind(note) for note in seen.notes)
@@ -140,10 +184,16 @@ def note_kind(note: str) -> str:
 
 
 async def fetch(
-    client: httpx.AsyncClient, url: str, content: bytes, cancel_after: int | None = None
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    cancel_after: int | None = None,
+    cancel_after_handoff: float | None = None,
 ) -> Seen:
-    """POST a chat completion and read the answer; close it after `cancel_after` chunks."""
+    """POST a chat completion and read the answer; close it after `cancel_after` chunks,
+    or `cancel_after_handoff` seconds after its first handoff note."""
     seen = Seen()
+    closing_at = None
     try:
         async with asyncio.timeout(STREAM_TIMEOUT):
             async with client.stream(
@@ -158,7 +208,11 @@ async def fetch(
                     return seen
                 async for line in response.aiter_lines():
                     seen.take(line)
-                    if seen.chunks == cancel_after:
+                    if seen.notes and cancel_after_handoff is not None and closing_at is None:
+                        closing_at = time.monotonic() + cancel_after_handoff
+                    if seen.chunks == cancel_after or (
+                        closing_at is not None and time.monotonic() >= closing_at
+                    ):
                         seen.cancelled = True
                         break
     except (httpx.HTTPError, TimeoutError) as exc:
@@ -171,18 +225,70 @@ async def streams(
 ) -> None:
     while time.monotonic() < until:
         max_tokens = rng.randint(32, 512)
-        extra = {"stream_options": {"include_usage": True}} if rng.random() < 0.3 else {}
-        body = chat_body(max_tokens, **extra)
+        body = chat_body(max_tokens, stream_options={"include_usage": True})
         cancel = rng.randint(1, max_tokens - 1) if rng.random() < CANCEL_SHARE else None
-        tally.add(await fetch(client, url, json.dumps(body).encode(), cancel))
+        share, within = CANCEL_AFTER_HANDOFF
+        after_handoff = rng.uniform(0, within) if rng.random() < share else None
+        seen = await fetch(client, url, json.dumps(body).encode(), cancel, after_handoff)
+        seen.max_tokens = max_tokens
+        if seen.cancelled and seen.notes and cancel is None:
+            tally.cancelled_after_handoff += 1
+        tally.add(seen)
 
 
-async def handoffs(client: httpx.AsyncClient, url: str, tally: Tally) -> None:
+async def handoffs(client: httpx.AsyncClient, url: str, token: str, tally: Tally) -> None:
     while True:
         await asyncio.sleep(HANDOFF_EVERY)
-        reply = await client.post(f"{url}/spillover/handoff")
+        reply = await client.post(f"{url}/spillover/handoff", headers=bearer(token))
         tally.asks += 1
         tally.moved += reply.json()["handed_off"]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+async def chaos(small: LlamaServer, primary: LlamaServer, tally: Tally) -> None:
+    """The small fallback SIGKILLed and started again on its port every KILL_EVERY
+    seconds; the primary stopped for STOP_FOR seconds every STOP_EVERY."""
+    started = time.monotonic()
+    kills = stops = 0
+    while True:
+        await asyncio.sleep(0.5)
+        elapsed = time.monotonic() - started
+        if elapsed >= (kills + 1) * KILL_EVERY:
+            kills += 1
+            small.kill()
+            await asyncio.to_thread(small.start)
+            tally.kills += 1
+        if elapsed >= (stops + 1) * STOP_EVERY:
+            stops += 1
+            os.kill(primary.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(STOP_FOR)
+            finally:
+                os.kill(primary.pid, signal.SIGCONT)
+            tally.stops += 1
+
+
+async def victims_of(
+    client: httpx.AsyncClient, server: LlamaServer, alone: list[dict], tally: Tally, until: float
+) -> None:
+    """The server's own clients, one at a time per task (see scripts/victims.py)."""
+    index = 0
+    while time.monotonic() < until:
+        index = (index + 1) % len(alone)
+        try:
+            answer = await victims.ask(client, server.url, index, VICTIM_TOKENS)
+        except (httpx.HTTPError, ValueError):
+            tally.victims["interrupted (its server was killed)"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        if (how := victims.changed(answer, alone[index], VICTIM_TOKENS)) is not None:
+            tally.victims["CHANGED"] += 1
+            tally.victims_changed.append(f"{server.url}: {how}")
+        else:
+            tally.victims["as alone"] += 1
 
 
 async def pressure(card: FakeCard, rng: random.Random, tally: Tally) -> None:
@@ -208,15 +314,38 @@ async def malformed(client: httpx.AsyncClient, url: str, tally: Tally) -> None:
             tally.malformed_bad.append(f"{kind}: HTTP {seen.status}; {seen.faults()}")
 
 
-async def soak(url: str, card: FakeCard, seconds: float, rng: random.Random, tally: Tally) -> None:
+@dataclass
+class Bed:
+    """The servers, the proxy and the guard, and what the soak needs to know of them."""
+
+    primary: LlamaServer
+    twin: LlamaServer
+    small: LlamaServer
+    proxy: Mitmdump
+    guard: GuardProcess
+    card0: FakeCard
+    token: str
+    slot_dir: Path
+    alone: dict[str, list[dict]] = field(default_factory=dict)  # victims' solo answers
+
+
+async def soak(bed: Bed, seconds: float, rng: random.Random, tally: Tally) -> None:
+    url = bed.guard.url
     async with httpx.AsyncClient(timeout=STREAM_TIMEOUT) as client:
         side = [
-            asyncio.create_task(handoffs(client, url, tally)),
-            asyncio.create_task(pressure(card, rng, tally)),
+            asyncio.create_task(handoffs(client, url, bed.token, tally)),
+            asyncio.create_task(pressure(bed.card0, rng, tally)),
             asyncio.create_task(malformed(client, url, tally)),
+            asyncio.create_task(chaos(bed.small, bed.primary, tally)),
         ]
         until = time.monotonic() + seconds
-        await asyncio.gather(*(streams(client, url, rng, tally, until) for _ in range(CONCURRENCY)))
+        await asyncio.gather(
+            *(streams(client, url, rng, tally, until) for _ in range(CONCURRENCY)),
+            *(
+                victims_of(client, server, bed.alone[server.url], tally, until)
+                for server in (bed.twin, bed.small)
+            ),
+        )
         for task in side:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -245,70 +374,161 @@ def busy_slots(server: LlamaServer, settle: float = 5.0) -> tuple[int, int]:
 
 def report(
     tally: Tally,
-    start: tuple[float, int],
-    end: tuple[float, int],
-    proxy: Mitmdump,
+    rss_fds: dict[str, tuple[float, int]],
+    bed: Bed,
     busy: dict[str, tuple[int, int]],
-) -> None:
+) -> list[str]:
+    """Print the summary; returns what failed."""
     sent = sum(tally.malformed.values())
     notes = ", ".join(f"{kind} {n}" for kind, n in sorted(tally.notes.items()))
-    log = proxy.log_path.read_text(errors="replace")
-    live = httpx.get(f"{proxy.url}/spillover/status").json()["live"]
-    metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
+    log = bed.proxy.log_path.read_text(errors="replace")
+    status = httpx.get(f"{bed.proxy.url}/spillover/status", headers=bearer(bed.token)).json()
+    metrics = httpx.get(f"{bed.proxy.url}/spillover/metrics", headers=bearer(bed.token)).text
     counted = re.findall(r'spillover_handoffs_total\{kind="(\w+)"\} ([\d.]+)', metrics)
+    migrated = len(re.findall(r"moved \d+ tokens' KV state", log))
+    left_files = sorted(p.name for p in bed.slot_dir.glob(SLOT_FILES))
+    reserved = {url: s for url, s in status["migration"]["reserved"].items() if s}
+    tracebacks = log.count("Traceback (most recent call last)")
+    guard_left = [line for line in bed.guard.said() if "not answering" in line]
+    victims = ", ".join(f"{kind} {n}" for kind, n in sorted(tally.victims.items()))
     rows = [
         ("streams started", f"{tally.outcomes.total()}"),
         ("  clean", f"{tally.outcomes['clean']}"),
         ("  broken", f"{tally.outcomes['broken']}"),
         ("  cancelled by the soak", f"{tally.outcomes['cancelled']}"),
+        ("  of those, after a handoff", f"{tally.cancelled_after_handoff}"),
         ("handoffs seen (notes)", f"{sum(tally.notes.values())} ({notes or 'none'})"),
         ("handoff POSTs", f"{tally.asks} (streams moved: {tally.moved})"),
         ("pressure steps on card0", f"{tally.steps}"),
+        ("small fallback killed / primary stopped", f"{tally.kills} / {tally.stops}"),
+        ("KV migrations (logged)", f"{migrated}"),
+        ("victims' answers", victims or "none"),
         ("malformed, well-formed answer", f"{sent - len(tally.malformed_bad)} of {sent}"),
-        ("mitmdump RSS MiB start/end", f"{start[0]:.1f} / {end[0]:.1f}"),
-        ("mitmdump fds start/end", f"{start[1]} / {end[1]}"),
+    ]
+    for moment, (rss, fds) in rss_fds.items():
+        rows.append((f"mitmdump RSS MiB / fds, {moment}", f"{rss:.1f} / {fds}"))
+    rows += [
         ("addon: handoffs counted", ", ".join(f"{k} {float(n):.0f}" for k, n in counted)),
-        ("addon: live streams left", f"{len(live)}"),
-        ("tracebacks in mitmdump's log", f"{log.count('Traceback (most recent call last)')}"),
+        ("addon: live streams left", f"{len(status['live'])}"),
+        ("addon: shadows left", f"{status['shadows']['shadowing'] or 'none'}"),
+        ("slot files / reserved slots left", f"{len(left_files)} / {reserved or 'none'}"),
+        ("tracebacks in mitmdump's log", f"{tracebacks}"),
+        ("guard left the proxy", f"{len(guard_left)} times"),
     ]
     rows += [(f"busy slots, {name}", "{} of {}".format(*slots)) for name, slots in busy.items()]
     print()
     for label, value in rows:
-        print(f"{label:32} {value}")
+        print(f"{label:40} {value}")
     for answer, n in sorted(tally.malformed.items()):
         print(f"  malformed {answer} x{n}")
     for text in tally.broken[:10]:
         print(f"BROKEN: {text}")
+    for text in tally.victims_changed[:10]:
+        print(f"VICTIM CHANGED: {text}")
     for text in tally.malformed_bad[:10]:
         print(f"MALFORMED, NO WELL-FORMED ANSWER: {text}")
+    failed = {
+        "broken streams": bool(tally.broken),
+        "changed victims": bool(tally.victims_changed),
+        "malformed without an answer": bool(tally.malformed_bad),
+        "tracebacks": bool(tracebacks),
+        "the guard left the proxy": bool(guard_left),
+        "slot files or reserved slots left": bool(left_files or reserved),
+    }
+    return [what for what, bad in failed.items() if bad]
+
+
+def wait_known(bed: Bed, timeout: float = 10) -> None:
+    urls = [bed.primary.url, bed.twin.url, bed.small.url]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = httpx.get(f"{bed.proxy.url}/spillover/status", headers=bearer(bed.token))
+        servers = reply.json()["servers"]
+        if all(url in servers and servers[url].get("fingerprint") for url in urls):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the addon never heard back from {urls}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-memory", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="spillover-soak-"))
     models = ensure_models(work / "models")
-    sysfs = work / "sys"
+    sysfs, slot_dir = work / "sys", work / "slots"
+    slot_dir.mkdir()
     card0 = FakeCard(sysfs, "card0", total_mib=CARD_TOTAL, used_mib=CARD_USED)
-    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
-    primary = LlamaServer(models["primary"], log_dir=work)
-    fallback = LlamaServer(models["fallback"], log_dir=work)
-    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
-    proxy = Mitmdump(primary.url, [fallback.url], options=watch_sysfs(sysfs, on), log_dir=work)
+    FakeCard(sysfs, "card1", total_mib=16384, used_mib=2000)
+    FakeCard(sysfs, "card2", total_mib=8192, used_mib=2000)
+    saves = ["--slot-save-path", str(slot_dir)]
+    primary = LlamaServer(models["primary"], ctx_size=8192, extra_args=saves, log_dir=work)
+    twin = LlamaServer(models["primary"], ctx_size=8192, extra_args=saves, log_dir=work)
+    small = LlamaServer(models["fallback"], ctx_size=8192, log_dir=work)
+    token = secrets.token_urlsafe(32)
+    token_path = work / "control-token"
+    token_path.write_text(token + "\n")
+    on = {primary.url: "drm:card0", twin.url: "drm:card1", small.url: "drm:card2"}
+    options = [
+        *watch_sysfs(sysfs, on), "spillover_shadow=always", "spillover_shadow_every=8",
+        "spillover_shadow_max=4", f"spillover_slot_dir={slot_dir}", "spillover_dwell_s=2",
+        "spillover_stall_s=2", "spillover_control_local=false",
+        f"spillover_control_token=@{token_path}",
+    ]  # fmt: skip
+    memtrace = work / "memtrace.txt"
+    scripts = [REPO / "scripts" / "memtrace.py"] if args.trace_memory else []
+    if args.trace_memory:
+        options.append(f"memtrace_file={memtrace}")
+    proxy = Mitmdump(
+        primary.url, [twin.url, small.url], options=options, log_dir=work, scripts=scripts
+    )
+    proxy.health_path = "/health"  # its control routes are the token's only
+    target = primary.url.split("//")[1]
+    guard = GuardProcess(proxy.port, target, work, extra_args=["--token-file", str(token_path)])
+    guard.health_path = "/health"
+    bed = Bed(primary, twin, small, proxy, guard, card0, token, slot_dir)
     tally = Tally()
-    with running(primary, fallback, proxy):
-        proxy.servers_known()
-        print(f"soak: {args.minutes:g} min, seed {args.seed}, proxy {proxy.url}, logs {work}")
+    with running(primary, twin, small, proxy, guard):
+        wait_known(bed)
+        bed.alone = {
+            server.url: [
+                httpx.post(
+                    f"{server.url}/completion",
+                    json=victims.victim_body(i, VICTIM_TOKENS), timeout=60,
+                ).json()
+                for i in range(VICTIM_PROMPTS)
+            ]
+            for server in (twin, small)
+        }  # fmt: skip
+        print(f"soak: {args.minutes:g} min, seed {args.seed}, guard {guard.url}, logs {work}")
+        idle = usage(proxy.pid)
         rng = random.Random(args.seed)
-        asyncio.run(soak(proxy.url, card0, WARM_UP_S, rng, tally))
-        start = usage(proxy.pid)
-        asyncio.run(soak(proxy.url, card0, args.minutes * 60, rng, tally))
-        busy = {"primary": busy_slots(primary), "fallback": busy_slots(fallback)}
-        report(tally, start, usage(proxy.pid), proxy, busy)
-    tracebacks = proxy.log_path.read_text(errors="replace").count("Traceback (most recent")
-    sys.exit(1 if tally.broken or tally.malformed_bad or tracebacks else 0)
+        asyncio.run(soak(bed, WARM_UP_S, rng, tally))
+        warm = usage(proxy.pid)
+        if args.trace_memory:
+            os.kill(proxy.pid, signal.SIGUSR1)  # the baseline snapshot
+        asyncio.run(soak(bed, args.minutes * 60, rng, tally))
+        end = usage(proxy.pid)
+        busy = {
+            s: busy_slots(server)
+            for s, server in (("primary", primary), ("twin", twin), ("small", small))
+        }
+        time.sleep(5)
+        rested = usage(proxy.pid)
+        if args.trace_memory:
+            os.kill(proxy.pid, signal.SIGUSR1)
+            time.sleep(3)
+        moments = {"idle, before": idle, "after warm-up": warm, "at the end": end}
+        moments["idle, 5 s after"] = rested
+        failed = report(tally, moments, bed, busy)
+        if args.trace_memory and memtrace.exists():
+            print("\nwhere mitmdump's memory grew (scripts/memtrace.py):")
+            print(memtrace.read_text())
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

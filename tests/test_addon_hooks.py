@@ -207,3 +207,61 @@ def test_a_requested_handoff_is_counted_as_requested_whatever_its_reason() -> No
                 assert flow.request.host == "127.0.0.1" and flow.request.port == 8081
 
     asyncio.run(run())
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def test_odd_control_bodies_are_answered_by_the_addon_and_never_forwarded(caplog) -> None:
+    """A body nested too deep to parse, one that is not in its Content-Encoding, one in an
+    encoding nobody knows, and a drain of a server the proxy does not have: each is
+    answered 400 or 404 with a JSON error, logs nothing, and keeps nothing."""
+
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon) as tctx:
+            tctx.configure(addon, spillover_fallbacks="http://127.0.0.1:8082")
+            cases = []
+            for route in ("handoff", "drain", "undrain"):
+                cases.append((route, DEEP, None, 400))
+                cases.append((route, b"\x1f\x8b not gzip", "gzip", 400))
+                cases.append((route, b"{}", "x-unknown", 400))
+            cases.append(("drain", json.dumps({"server": "http://" + "a" * 100_000}), None, 404))
+            for route, content, encoding, status in cases:
+                flow = chat_flow(b"", path=f"/spillover/{route}")
+                flow.request.raw_content = (
+                    content if isinstance(content, bytes) else content.encode()
+                )
+                if encoding:
+                    flow.request.headers["content-encoding"] = encoding
+                await addon.request(flow)
+                assert flow.response is not None and flow.response.status_code == status, route
+                assert "error" in json.loads(flow.response.content), route
+            assert addon.router.draining == set()
+            for drained in ("http://127.0.0.1:8082", "http://127.0.0.1:8082/"):
+                flow = chat_flow(json.dumps({"server": drained}).encode(), path="/spillover/drain")
+                await addon.request(flow)
+                assert flow.response.status_code == 200
+            assert addon.router.draining == {"http://127.0.0.1:8082"}
+
+    asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+
+
+def test_a_body_nested_too_deep_is_passed_through_untouched() -> None:
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon, Proxyserver()):
+            await addon.running()
+            nested = b"[" * 300 + b"]" * 300
+            for content in (
+                DEEP,
+                b'{"messages": ' + DEEP + b', "stream": true}',
+                b'{"messages": [{"role": "user", "content": ' + nested + b'}], "stream": true}',
+            ):
+                flow = chat_flow(content)
+                await addon.request(flow)
+                assert flow.request.port == 8081 and flow.response is None
+            await addon.done()
+
+    asyncio.run(run())

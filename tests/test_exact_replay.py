@@ -147,6 +147,12 @@ def test_usage_counts_the_whole_answer_across_an_exact_replay(twins) -> None:
     assert usage["completion_tokens"] == ANSWER
     legs = usage["spillover"]["legs"]
     assert [leg["completion_tokens"] for leg in legs] == stream.segment_tokens
+    # The client's prompt, as the primary counts it when it answers whole (the
+    # continuation read it plus the replayed ids, which are not the client's).
+    whole = read_stream(first.url, body)
+    (alone,) = [c["usage"] for c in whole.chunks if c.get("usage")]
+    assert usage["prompt_tokens"] == alone["prompt_tokens"]
+    assert usage["total_tokens"] == ANSWER + alone["prompt_tokens"]
 
 
 def test_a_stop_string_after_the_cut_ends_the_answer_where_it_would_have(twins) -> None:

@@ -5,6 +5,7 @@ way took."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -159,3 +160,44 @@ def test_without_local_trust_the_control_routes_need_the_token(primary, server_l
         assert admitted.status_code == 200 and "routing" in admitted.json()
     finally:
         proxy.stop()
+
+
+def test_idle_connections_are_bounded(start_server, start_proxy, server_logs: Path) -> None:
+    """Idle sockets are closed after --idle-s, and past --max-connections the one idle
+    the longest makes room: a client that asks meanwhile is answered at once."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [])
+    guard = GuardProcess(
+        proxy.port, primary.url.split("//")[1], server_logs,
+        extra_args=["--idle-s", "3", "--max-connections", "20"],
+    ).start()  # fmt: skip
+    idle = []
+    try:
+        for _ in range(40):
+            idle.append(socket.create_connection(("127.0.0.1", guard.port)))
+        body = {**chat_body(4), "stream": False}
+        started = time.monotonic()
+        reply = httpx.post(f"{guard.url}/v1/chat/completions", json=body, timeout=10)
+        took = time.monotonic() - started
+        assert reply.status_code == 200 and took < 2.0, took
+        # The first 21 made room for the next and for the request; the rest close once
+        # idle too long.
+        assert sum(_closed(s, 0.5) for s in idle[:21]) == 21
+        assert time.monotonic() - started < 2.5, "too slow to tell room from idleness"
+        assert sum(_closed(s, 0.0) for s in idle[21:]) == 0
+        assert sum(_closed(s, 6.0) for s in idle[21:]) == 19
+    finally:
+        for s in idle:
+            s.close()
+        guard.stop()
+
+
+def _closed(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the guard closed `sock` (within `wait_s`)."""
+    sock.settimeout(wait_s or 0.01)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True

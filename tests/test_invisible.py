@@ -55,6 +55,11 @@ CORPUS: list[tuple[str, str, Any]] = [
     ("POST", "/v1/chat/completions", chat(stream=True, n_probs=2)),
     ("POST", "/v1/chat/completions", chat(stream=True, logprobs=True, post_sampling_probs=True)),
     ("POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=3)),
+    # Probability fields the server decides about: never rewritten into ones it takes.
+    ("POST", "/v1/chat/completions", chat(stream=True, logprobs="yes")),
+    ("POST", "/v1/chat/completions", chat(stream=True, logprobs=False, top_logprobs=2)),
+    ("POST", "/v1/chat/completions", chat(stream=True, n_probs="2")),
+    ("POST", "/v1/chat/completions", chat(stream=True, logprobs=False)),
     ("POST", "/v1/chat/completions", chat(stream=True, timings_per_token=True)),
     ("POST", "/v1/chat/completions", chat(stream=True, return_tokens=True)),
     ("POST", "/v1/chat/completions", chat(stream=True, cache_prompt=False)),

@@ -219,8 +219,13 @@ def test_a_thousand_migrations_cancelled_anywhere_leave_no_residue(
             move = asyncio.ensure_future(migrator.move(source, target, holds))
             # A machine that got slower than at calibration widens the window, until
             # moves finish before their cancel again.
-            await asyncio.sleep(rng.uniform(0, 1.5 * took * 2 ** (since_done // 100)))
+            window = 1.5 * took * 2 ** (since_done // 100)
+            await asyncio.sleep(rng.uniform(0, window))
             move.cancel()
+            # Some are cancelled again while the first cancel is being handled.
+            for _ in range(rng.choice((0, 0, 1, 2))):
+                await asyncio.sleep(rng.uniform(0, window / 4))
+                move.cancel()
             since_done += 1
             try:
                 moved = await move
@@ -229,9 +234,10 @@ def test_a_thousand_migrations_cancelled_anywhere_leave_no_residue(
             if moved.slot is not None:
                 done, since_done = done + 1, 0
                 migrator.release(target.url, moved.slot)
+        # Steps a cancel left running end on their own, and clean up after themselves.
+        await migrator.close()
         assert slot_files(slot_dir) == []
         assert not any(migrator.reserved.values())
-        await migrator.close()
         return done
 
     done = asyncio.run(cycles())

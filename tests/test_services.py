@@ -105,3 +105,55 @@ def test_a_public_guard_closes_the_control_routes_to_local_clients(tmp_path: Pat
     assert "spillover_control_local: false" in (config / "spillover" / "config.yaml").read_text()
     guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
     assert "--listen 0.0.0.0:8080" in guard and "--public" in guard
+
+
+def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
+    primary, tmp_path: Path
+) -> None:
+    """What `install` writes for a public --listen, run: the guard's health check carries
+    the control token, so it keeps passing clients through the proxy (without it the
+    proxy's health route is closed to the guard, and the guard would go straight to the
+    primary for good); the control routes are the token holder's only."""
+    config = tmp_path / "config"
+    listen, proxy_port = free_port(), free_port()
+    services(
+        config, "install", "--primary", primary.url, "--listen", f"0.0.0.0:{listen}",
+        "--proxy-port", str(proxy_port), "--no-start",
+    )  # fmt: skip
+    token_path = config / "spillover" / "control-token"
+    token = token_path.read_text().strip()
+    assert len(token) >= 32 and token_path.stat().st_mode & 0o077 == 0
+    options = (config / "spillover" / "config.yaml").read_text()
+    assert token not in options  # named by its file, not copied
+    units = [
+        config / "systemd" / "user" / n
+        for n in ("spillover-proxy.service", "spillover-guard.service")
+    ]
+    guard_log = tmp_path / "guard.log"
+    started = []
+    try:
+        with guard_log.open("wb") as log:
+            for unit in units:
+                argv, cwd = unit_command(unit)
+                started.append(subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=log))
+            guard = f"http://127.0.0.1:{listen}"
+            bearer = {"authorization": f"Bearer {token}"}
+            wait_until(
+                lambda: httpx.get(f"{guard}/spillover/status", headers=bearer).status_code == 200
+            )
+            time.sleep(2.0)  # ten health checks
+            said = guard_log.read_text()
+            assert "not answering" not in said, said
+            reply = httpx.post(
+                f"{guard}/v1/chat/completions", json={**chat_body(4), "stream": False}, timeout=30
+            )
+            assert reply.status_code == 200
+            assert httpx.get(f"{guard}/spillover/status").status_code == 404  # the primary's
+            status = httpx.get(f"{guard}/spillover/status", headers=bearer)
+            assert status.status_code == 200 and "routing" in status.json()
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(timeout=10)
+    services(config, "uninstall", "--no-start", "--purge")
+    assert not token_path.exists()

@@ -8,6 +8,7 @@ continuation must be the same text either way."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from scripts.memfiles import FakeCard
 from scripts.mitm import Mitmdump, watch_sysfs
+from scripts.victims import changed, victim_body
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
 from tests.test_splice import handoff, held
@@ -102,19 +104,19 @@ def test_a_shadowed_handoff_reads_only_the_tail_and_says_the_same(twins) -> None
     assert warm_read["prompt_n"] <= 40  # only the tail was read at the handoff
 
 
-def test_shadow_slots_are_given_back(twins) -> None:
+def test_shadows_end_with_their_answers(twins) -> None:
     _, second, proxies = twins
     proxy = proxies["always"]
     stream = read_stream(proxy.url, long_body(200))
     assert_one_clean_stream(stream)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        held_slots = CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"]["held"]
+        shadowing = CONTROL.get(f"{proxy.url}/spillover/status").json()["shadows"]["shadowing"]
         idle = all(not s["is_processing"] for s in CONTROL.get(f"{second.url}/slots").json())
-        if not held_slots and idle:
+        if not shadowing and idle:
             return
         time.sleep(0.05)
-    raise AssertionError(f"slots still held: {held_slots}, fallback idle: {idle}")
+    raise AssertionError(f"still shadowing: {shadowing}, fallback idle: {idle}")
 
 
 def test_a_hung_or_dead_shadow_target_changes_nothing(start_server, start_proxy) -> None:
@@ -196,3 +198,85 @@ def test_near_a_line_shadows_and_clear_of_it_stops(
     assert stream.notes == []
     assert seen["near"]["server"] == fallback.url
     assert seen["far"]["ended"] == "no longer wanted there"
+
+
+VICTIMS = 3  # the fallback's own clients, asking one after another beside the shadows
+VICTIM_TOKENS = 200
+
+
+def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -> None:
+    """While three shadowed answers keep updating their shadows on the fallback, three of
+    the fallback's own clients ask there one request after another (landing, by
+    llama-server's own choice, in slots the shadows used between their updates): each
+    answer has all its tokens, and each token is the one the same request made alone
+    gets (up to a tie: see scripts/victims.py). Pinned updates changed such answers."""
+    primary = start_server("primary", ctx_size=4 * 4096, slots=4)
+    fallback = start_server("fallback", ctx_size=4 * 4096, slots=4)
+    proxy = start_proxy(
+        primary.url, [fallback.url],
+        options=[
+            "spillover_shadow=always", "spillover_shadow_max=4", "spillover_shadow_every=4",
+            *NO_STALLS,
+        ],
+    )  # fmt: skip
+    proxy.servers_known()
+    client = httpx.Client(timeout=120)
+
+    def ask(index: int) -> dict:
+        body = victim_body(index, VICTIM_TOKENS)
+        return client.post(f"{fallback.url}/completion", json=body).json()
+
+    alone = [ask(i) for i in range(VICTIMS)]
+    streams: dict[int, RawStream] = {}
+    answers: list[tuple[int, dict]] = []
+    errors: list[BaseException] = []
+
+    def shadowed(index: int) -> None:
+        try:
+            body = long_body(300)
+            body["messages"][0]["content"] += f" ({index})"
+            streams[index] = read_stream(proxy.url, body, timeout=120)
+        except Exception as exc:  # (failed below, in the test's thread)
+            errors.append(exc)
+
+    def victim(index: int, until: threading.Event) -> None:
+        try:
+            while not until.is_set():
+                answers.append((index, ask(index)))
+        except Exception as exc:
+            errors.append(exc)
+
+    answering = [threading.Thread(target=shadowed, args=(i,)) for i in range(3)]
+    for thread in answering:
+        thread.start()
+    updates: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    while sum(1 for n in updates.values() if n) < 2:  # the shadows are under way
+        assert time.monotonic() < deadline and not errors, (updates, errors)
+        for answer in live(proxy):
+            if answer["shadow"]:
+                updates[answer["flow"]] = answer["shadow"]["updates"]
+        time.sleep(0.02)
+    done = threading.Event()
+    asking = [threading.Thread(target=victim, args=(i, done)) for i in range(VICTIMS)]
+    for thread in asking:
+        thread.start()
+    while any(thread.is_alive() for thread in answering):
+        for answer in live(proxy):
+            if answer["shadow"]:
+                updates[answer["flow"]] = answer["shadow"]["updates"]
+        time.sleep(0.02)
+    done.set()
+    for thread in asking:
+        thread.join()
+    assert not errors, errors
+    for stream in streams.values():
+        assert_one_clean_stream(stream)
+        assert stream.notes == []
+    print(f"\n{len(answers)} victims, {sum(updates.values())} updates")
+    assert len(answers) >= 2 * VICTIMS, len(answers)  # asked beside the shadows
+    for index, answer in answers:
+        assert changed(answer, alone[index], VICTIM_TOKENS) is None, index
+    assert sum(updates.values()) >= 40, updates  # many updates landed beside them
+    log = fallback.log_path.read_text()
+    assert "selected slot by id" not in log  # no request of the addon's named a slot
