@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from addon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from addon.shape import loads
 
 CONTROL_PREFIX = "/spillover/"
+log = logging.getLogger(__name__)
 REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the stream
 
 
@@ -116,6 +118,13 @@ class Control:
 
     async def answer(self, flow: http.HTTPFlow) -> None:
         """Answer an admitted control request; it never goes on to a server."""
+        try:
+            await self._answer(flow)
+        except Exception:
+            log.exception("control request %s failed", flow.request.path[:200])
+            flow.response = _json(500, {"error": "the control request failed (see the log)"})
+
+    async def _answer(self, flow: http.HTTPFlow) -> None:
         route = flow.request.path.split("?")[0][len(CONTROL_PREFIX) :]
         method = flow.request.method
         try:

@@ -48,6 +48,7 @@ WRITTEN_AFTER = 256
 FIND_S = 1.0  # how long the cut source's slot is looked for (it goes idle within a step)
 SLOTS_TIMEOUT_S = 2.0
 MOVE_TIMEOUT_S = 60.0  # saving or restoring a long context of a big model
+ONE_SHOT = httpx.Limits(max_keepalive_connections=0)
 
 
 def add_migration_options(loader) -> None:
@@ -161,7 +162,8 @@ class Migrator:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=MOVE_TIMEOUT_S)
+            # No idle connection kept (see shadow.py).
+            self._client = httpx.AsyncClient(timeout=MOVE_TIMEOUT_S, limits=ONE_SHOT)
         return self._client
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ from addon.shape import mapping
 from addon.upstream import Upstream
 
 log = logging.getLogger(__name__)
+QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
 MARKER = "Zq7 "
 REASK_SECONDS = 5.0
 # Text that exercises a tokenizer: words, digits, punctuation, accents, CJK, emoji and
@@ -69,8 +70,8 @@ class ServerInfo:
 class RecordingTransport(httpx.AsyncBaseTransport):
     """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
 
-    def __init__(self, record: Callable[[Exchange], None]) -> None:
-        self._inner = httpx.AsyncHTTPTransport()
+    def __init__(self, record: Callable[[Exchange], None], limits: httpx.Limits) -> None:
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
         self._record = record
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -155,8 +156,10 @@ class ServerDirectory:
     @property
     def client(self) -> httpx.AsyncClient:
         # One client for all: making one costs tens of milliseconds (its TLS context).
+        # Few idle connections kept: one a server closed stays open here (a descriptor)
+        # until the client is used again, and a handoff's questions come in a burst.
         if self._client is None:
-            transport = RecordingTransport(self._on_exchange)
+            transport = RecordingTransport(self._on_exchange, limits=QUESTION_POOL)
             self._client = httpx.AsyncClient(timeout=5, transport=transport)
         return self._client
 

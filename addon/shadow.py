@@ -43,6 +43,7 @@ BUSY_S = 0.1  # how soon a server with no idle slot is asked again
 SLOTS_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 300.0  # the first update reads the whole prompt
 GIVE_UP_AFTER = 3
+ONE_SHOT = httpx.Limits(max_keepalive_connections=0)
 # Fields that cost work and change nothing in the cache a prompt leaves behind, and the
 # client's own slot (one of the primary's: see the module's docstring).
 NOT_FOR_PREFILL = (
@@ -95,7 +96,9 @@ class ShadowBudget:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=PREFILL_TIMEOUT_S)
+            # No idle connection kept: the servers close theirs after 5 s, and one kept
+            # past that holds a descriptor until this client is used again.
+            self._client = httpx.AsyncClient(timeout=PREFILL_TIMEOUT_S, limits=ONE_SHOT)
         return self._client
 
     async def take(self, server: Upstream) -> bool:

@@ -61,6 +61,13 @@ class ManagedProcess:
         raise NotImplementedError
 
     def start(self, timeout: float = 30.0):
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it. It dies with the thread that
+        launched it (PR_SET_PDEATHSIG is per thread): launch from one that lives on."""
         argv = self.argv()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
@@ -71,10 +78,8 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
             )
-        self._wait_healthy(timeout)
-        return self
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process is not None

@@ -27,7 +27,7 @@ malformed request got no well-formed answer, mitmdump logged a traceback, the gu
 left the proxy, or a slot file or reserved slot was left behind. `--trace-memory`
 loads scripts/memtrace.py into mitmdump and prints where its memory grew.
 
-    .venv/bin/python -m scripts.soak [--minutes M] [--seed S] [--trace-memory]
+    .venv/bin/python -m scripts.soak [--minutes M] [--seed S] [--warm-up-s S] [--trace-memory]
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import itertools
 import json
 import os
 import random
-import re
 import secrets
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from scripts.memfiles import FakeCard
 from scripts.mitm import REPO, Mitmdump, watch_sysfs
 from scripts.processes import running
 from scripts.prompts import PROMPT, chat_body
+from scripts.soaktally import Left, Seen, Tally, report
 from scripts.tinymodels import ensure_models
 
 CONCURRENCY = 8
@@ -90,97 +91,6 @@ MALFORMED: list[tuple[str, bytes]] = [
     ("response_format is a string", _changed(response_format="json_object")),
     ("assistant prefill as content parts", _changed(messages=[*PROMPT, PREFILL_PARTS])),
 ]
-
-
-@dataclass
-class Seen:
-    """What one request got back."""
-
-    status: int = 0
-    event_stream: bool = False
-    json_body: bool = False  # the body of a non-stream answer parses as JSON
-    chunks: int = 0
-    done: int = 0
-    finishes: int = 0
-    ids: set[str | None] = field(default_factory=set)
-    notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    cancelled: bool = False
-    max_tokens: int | None = None
-    deltas: int = 0  # content deltas: one per token
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-
-    def take(self, line: str) -> None:
-        if line.startswith(": spillover:"):
-            self.notes.append(line)
-        elif line == "data: [DONE]":
-            self.done += 1
-        elif line.startswith("data: "):
-            try:
-                payload = json.loads(line[6:])
-            except ValueError:
-                self.problems.append(f"data line is not JSON: {line[:120]!r}")
-                return
-            if "error" in payload:
-                self.problems.append(f"error event: {json.dumps(payload['error'])[:300]}")
-                return
-            self.chunks += 1
-            self.ids.add(payload.get("id"))
-            for choice in payload.get("choices") or ():
-                self.deltas += bool((choice.get("delta") or {}).get("content"))
-                if choice.get("finish_reason"):
-                    self.finishes += 1
-                    self.finish = choice["finish_reason"]
-            if payload.get("usage"):
-                self.usage = payload["usage"]
-
-    def faults(self) -> list[str]:
-        if self.status != 200 or not self.event_stream:
-            return [*self.problems, f"HTTP {self.status}, not an event stream"]
-        if self.cancelled:
-            return self.problems
-        counts = {"[DONE]s": self.done, "finish_reasons": self.finishes, "ids": len(self.ids)}
-        wrong = [f"{n} {k}" for k, n in counts.items() if n != 1]
-        counted = (self.usage or {}).get("completion_tokens")
-        if self.usage is not None and counted != self.deltas:
-            wrong.append(f"usage counts {counted} tokens, the stream carried {self.deltas}")
-        if self.finish == "length" and self.max_tokens not in (None, self.deltas):
-            wrong.append(f"ended for length after {self.deltas} of {self.max_tokens} tokens")
-        return self.problems + wrong
-
-
-@dataclass
-class Tally:
-    outcomes: Counter[str] = field(default_factory=Counter)
-    broken: list[str] = field(default_factory=list)
-    notes: Counter[str] = field(default_factory=Counter)  # handoff notes by kind
-    asks: int = 0
-    moved: int = 0  # streams the POSTs handed off
-    steps: int = 0
-    malformed: Counter[str] = field(default_factory=Counter)  # "kind: answer"
-    malformed_bad: list[str] = field(default_factory=list)
-    victims: Counter[str] = field(default_factory=Counter)  # outcome
-    victims_changed: list[str] = field(default_factory=list)
-    kills: int = 0
-    stops: int = 0
-    cancelled_after_handoff: int = 0
-
-    def add(self, seen: Seen) -> None:
-        self.notes.update(note_kind(note) for note in seen.notes)
-        faults = seen.faults()
-        outcome = "broken" if faults else "cancelled" if seen.cancelled else "clean"
-        self.outcomes[outcome] += 1
-        if faults:
-            self.broken.append("; ".join(faults))
-
-
-def note_kind(note: str) -> str:
-    """pressure, requested or failure, from a note "...after N tokens (reason)..."."""
-    reason = note.partition(" (")[2]
-    if reason.startswith("memory pressure"):
-        return "pressure"
-    return "requested" if reason.startswith("requested") else "failure"
 
 
 async def fetch(
@@ -241,7 +151,7 @@ async def handoffs(client: httpx.AsyncClient, url: str, token: str, tally: Tally
         await asyncio.sleep(HANDOFF_EVERY)
         reply = await client.post(f"{url}/spillover/handoff", headers=bearer(token))
         tally.asks += 1
-        tally.moved += reply.json()["handed_off"]
+        tally.moved += reply.json().get("handed_off", 0)  # (the primary's 404 via the guard)
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -259,7 +169,8 @@ async def chaos(small: LlamaServer, primary: LlamaServer, tally: Tally) -> None:
         if elapsed >= (kills + 1) * KILL_EVERY:
             kills += 1
             small.kill()
-            await asyncio.to_thread(small.start)
+            small.launch()  # here: a process dies with the thread that started it
+            await asyncio.to_thread(small.wait_healthy)
             tally.kills += 1
         if elapsed >= (stops + 1) * STOP_EVERY:
             stops += 1
@@ -361,81 +272,21 @@ def usage(pid: int) -> tuple[float, int]:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def busy_slots(server: LlamaServer, settle: float = 5.0) -> tuple[int, int]:
+def busy_slots(server: LlamaServer, settle: float = 5.0) -> tuple[int, int] | str:
     """(slots still processing, slots) once the server has had `settle` s to go idle."""
     deadline = time.monotonic() + settle
     while True:
-        slots = httpx.get(f"{server.url}/slots", timeout=5).json()
+        try:
+            slots = httpx.get(f"{server.url}/slots", timeout=5).json()
+        except httpx.HTTPError as exc:
+            if time.monotonic() > deadline:
+                return f"unreachable ({type(exc).__name__})"
+            time.sleep(0.1)
+            continue
         busy = sum(1 for slot in slots if slot["is_processing"])
         if busy == 0 or time.monotonic() > deadline:
             return busy, len(slots)
         time.sleep(0.1)
-
-
-def report(
-    tally: Tally,
-    rss_fds: dict[str, tuple[float, int]],
-    bed: Bed,
-    busy: dict[str, tuple[int, int]],
-) -> list[str]:
-    """Print the summary; returns what failed."""
-    sent = sum(tally.malformed.values())
-    notes = ", ".join(f"{kind} {n}" for kind, n in sorted(tally.notes.items()))
-    log = bed.proxy.log_path.read_text(errors="replace")
-    status = httpx.get(f"{bed.proxy.url}/spillover/status", headers=bearer(bed.token)).json()
-    metrics = httpx.get(f"{bed.proxy.url}/spillover/metrics", headers=bearer(bed.token)).text
-    counted = re.findall(r'spillover_handoffs_total\{kind="(\w+)"\} ([\d.]+)', metrics)
-    migrated = len(re.findall(r"moved \d+ tokens' KV state", log))
-    left_files = sorted(p.name for p in bed.slot_dir.glob(SLOT_FILES))
-    reserved = {url: s for url, s in status["migration"]["reserved"].items() if s}
-    tracebacks = log.count("Traceback (most recent call last)")
-    guard_left = [line for line in bed.guard.said() if "not answering" in line]
-    victims = ", ".join(f"{kind} {n}" for kind, n in sorted(tally.victims.items()))
-    rows = [
-        ("streams started", f"{tally.outcomes.total()}"),
-        ("  clean", f"{tally.outcomes['clean']}"),
-        ("  broken", f"{tally.outcomes['broken']}"),
-        ("  cancelled by the soak", f"{tally.outcomes['cancelled']}"),
-        ("  of those, after a handoff", f"{tally.cancelled_after_handoff}"),
-        ("handoffs seen (notes)", f"{sum(tally.notes.values())} ({notes or 'none'})"),
-        ("handoff POSTs", f"{tally.asks} (streams moved: {tally.moved})"),
-        ("pressure steps on card0", f"{tally.steps}"),
-        ("small fallback killed / primary stopped", f"{tally.kills} / {tally.stops}"),
-        ("KV migrations (logged)", f"{migrated}"),
-        ("victims' answers", victims or "none"),
-        ("malformed, well-formed answer", f"{sent - len(tally.malformed_bad)} of {sent}"),
-    ]
-    for moment, (rss, fds) in rss_fds.items():
-        rows.append((f"mitmdump RSS MiB / fds, {moment}", f"{rss:.1f} / {fds}"))
-    rows += [
-        ("addon: handoffs counted", ", ".join(f"{k} {float(n):.0f}" for k, n in counted)),
-        ("addon: live streams left", f"{len(status['live'])}"),
-        ("addon: shadows left", f"{status['shadows']['shadowing'] or 'none'}"),
-        ("slot files / reserved slots left", f"{len(left_files)} / {reserved or 'none'}"),
-        ("tracebacks in mitmdump's log", f"{tracebacks}"),
-        ("guard left the proxy", f"{len(guard_left)} times"),
-    ]
-    rows += [(f"busy slots, {name}", "{} of {}".format(*slots)) for name, slots in busy.items()]
-    print()
-    for label, value in rows:
-        print(f"{label:40} {value}")
-    for answer, n in sorted(tally.malformed.items()):
-        print(f"  malformed {answer} x{n}")
-    for text in tally.broken[:10]:
-        print(f"BROKEN: {text}")
-    for text in tally.victims_changed[:10]:
-        print(f"VICTIM CHANGED: {text}")
-    for text in tally.malformed_bad[:10]:
-        print(f"MALFORMED, NO WELL-FORMED ANSWER: {text}")
-    failed = {
-        "broken streams": bool(tally.broken),
-        "changed victims": bool(tally.victims_changed),
-        "malformed without an answer": bool(tally.malformed_bad),
-        "tracebacks": bool(tracebacks),
-        "the guard left the proxy": bool(guard_left),
-        "slot files or reserved slots left": bool(left_files or reserved),
-    }
-    return [what for what, bad in failed.items() if bad]
 
 
 def wait_known(bed: Bed, timeout: float = 10) -> None:
@@ -455,6 +306,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-memory", action="store_true")
+    parser.add_argument(
+        "--warm-up-s", type=float, default=WARM_UP_S,
+        help="the soak before the first memory sample (Python's heap grows for a while)",
+    )  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="spillover-soak-"))
     models = ensure_models(work / "models")
@@ -486,7 +341,11 @@ def main() -> None:
     )
     proxy.health_path = "/health"  # its control routes are the token's only
     target = primary.url.split("//")[1]
-    guard = GuardProcess(proxy.port, target, work, extra_args=["--token-file", str(token_path)])
+    # The guard's own defaults (the test bed's are quicker): two cores run everything here.
+    defaults = ["--every-s", "0.5", "--timeout-s", "1"]
+    guard = GuardProcess(
+        proxy.port, target, work, extra_args=[*defaults, "--token-file", str(token_path)]
+    )
     guard.health_path = "/health"
     bed = Bed(primary, twin, small, proxy, guard, card0, token, slot_dir)
     tally = Tally()
@@ -505,7 +364,7 @@ def main() -> None:
         print(f"soak: {args.minutes:g} min, seed {args.seed}, guard {guard.url}, logs {work}")
         idle = usage(proxy.pid)
         rng = random.Random(args.seed)
-        asyncio.run(soak(bed, WARM_UP_S, rng, tally))
+        asyncio.run(soak(bed, args.warm_up_s, rng, tally))
         warm = usage(proxy.pid)
         if args.trace_memory:
             os.kill(proxy.pid, signal.SIGUSR1)  # the baseline snapshot
@@ -517,12 +376,24 @@ def main() -> None:
         }
         time.sleep(5)
         rested = usage(proxy.pid)
+        (work / "mitmdump-sockets.txt").write_text(
+            subprocess.run(["ss", "-tanpH"], capture_output=True, text=True).stdout
+            if shutil.which("ss")
+            else ""
+        )
         if args.trace_memory:
             os.kill(proxy.pid, signal.SIGUSR1)
             time.sleep(3)
         moments = {"idle, before": idle, "after warm-up": warm, "at the end": end}
         moments["idle, 5 s after"] = rested
-        failed = report(tally, moments, bed, busy)
+        left = Left(
+            status=httpx.get(f"{proxy.url}/spillover/status", headers=bearer(token)).json(),
+            metrics=httpx.get(f"{proxy.url}/spillover/metrics", headers=bearer(token)).text,
+            log=proxy.log_path.read_text(errors="replace"),
+            slot_files=sorted(p.name for p in slot_dir.glob(SLOT_FILES)),
+            guard_said=guard.said(),
+        )
+        failed = report(tally, moments, left, busy)
         if args.trace_memory and memtrace.exists():
             print("\nwhere mitmdump's memory grew (scripts/memtrace.py):")
             print(memtrace.read_text())
