@@ -37,12 +37,9 @@ class HttpClientStream:
 
     def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
         self.started = True
-        head = h11.Response(
-            status_code=status,
-            headers=framed(headers, (b"Transfer-Encoding", b"chunked")),  # as llama-server does
-            reason=reason or _phrase(status),
-        )
-        self._writer.write(self._conn.send(head))
+        headers = framed(headers, (b"Transfer-Encoding", b"chunked"))  # as llama-server does
+        head = h11.Response(status_code=status, headers=headers, reason=reason or _phrase(status))
+        self._writer.write(_in_order(self._conn.send(head) or b"", headers))
 
     def write(self, data: bytes) -> None:
         if data and not self.ended:
@@ -183,6 +180,26 @@ class SpliceEndpoint:
             log.debug("splice endpoint connection ended: %r", exc)
         finally:
             writer.transport.abort()
+
+
+def _in_order(head: bytes, headers: list[Header]) -> bytes:
+    """h11's response head with its Transfer-Encoding line where `headers` has it (h11
+    writes it last), so the client reads the server's headers in the server's order."""
+    lines = head.split(b"\r\n")
+    framing = [i for i, line in enumerate(lines) if line.lower().startswith(b"transfer-encoding:")]
+    names = [name.lower() for name, _ in headers]
+    if len(framing) != 1 or b"transfer-encoding" not in names:
+        return head
+    line = lines.pop(framing[0])
+    before = names[: names.index(b"transfer-encoding")]
+    # After the line of the last header that comes before it (the status line if none).
+    at = max((i for i, text in enumerate(lines[1:], 1) if _name(text) in before), default=0)
+    lines.insert(at + 1, line)
+    return b"\r\n".join(lines)
+
+
+def _name(line: bytes) -> bytes:
+    return line.split(b":", 1)[0].strip().lower()
 
 
 def _phrase(status: int) -> bytes:

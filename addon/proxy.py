@@ -39,6 +39,7 @@ class _Live:
     splice: Splice
     token: str
     origin: tuple[str, str, int]  # scheme, host, port the request was bound for
+    http_version: str  # the client's (the endpoint is asked in HTTP/1.1, see `request`)
 
 
 class Spillover:
@@ -230,9 +231,12 @@ class Spillover:
             "handoffs": [],
             "exact_replay": ctx.options.spillover_exact_replay,
         }
-        live = self.live[flow.id] = _Live(splice, "", origin)
+        live = self.live[flow.id] = _Live(splice, "", origin, request.http_version)
         live.token = self.endpoint.expect(splice)  # the first leg starts now
         request.scheme, request.host, request.port = "http", "127.0.0.1", self.endpoint.port
+        # So that the endpoint frames a stream as llama-server does for any client
+        # (chunked), not as h11 must for an HTTP/1.0 one (until the connection closes).
+        request.http_version = "HTTP/1.1"
         request.headers[TOKEN_HEADER] = live.token
 
     def _ladder_for(
@@ -263,6 +267,7 @@ class Spillover:
         flow.response.stream = live.splice.streaming
         # The request has gone to the endpoint: show and record it as sent to the primary.
         flow.request.scheme, flow.request.host, flow.request.port = live.origin
+        flow.request.http_version = live.http_version
         flow.request.headers.pop(TOKEN_HEADER, None)
 
     def response(self, flow: http.HTTPFlow) -> None:

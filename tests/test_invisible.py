@@ -11,6 +11,7 @@ stamps and `timings`, and the time-based series of /metrics.
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -115,10 +116,10 @@ def send(client: httpx.Client, base: str, method: str, path: str, body: Any) -> 
     return {
         "status": reply.status_code,
         "reason": reply.reason_phrase,
-        "headers": sorted(
+        "headers": [  # in the order written
             (k.decode(), "" if k.lower() in VOLATILE_HEADERS else v.decode())
             for k, v in reply.headers.raw
-        ),
+        ],
         "body": comparable(raw, reply.headers.get("content-type", ""), path),
     }
 
@@ -183,6 +184,37 @@ def test_streams_on_routes_the_addon_does_not_carry_arrive_as_they_come(twins) -
         assert any(slot["is_processing"] for slot in slots), "the answer came whole, at its end"
         for _ in lines:
             pass
+
+
+@pytest.mark.parametrize(
+    ("version", "extra"),
+    [("HTTP/1.1", b""), ("HTTP/1.1", b"Connection: close\r\n"), ("HTTP/1.0", b"")],
+)
+def test_a_stream_is_framed_as_the_server_frames_it(twins, version: str, extra: bytes) -> None:
+    """The response head, line by line, for a keep-alive client, one that says
+    `Connection: close`, and an HTTP/1.0 one (llama-server streams chunked to it too)."""
+    direct, _, proxy = twins
+    body = json.dumps(chat(stream=True)).encode()
+    request = (
+        (
+            f"POST /v1/chat/completions {version}\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        ).encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+    heads = []
+    for server in (direct, proxy):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(request)
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n") and (data := sock.recv(65536)):
+                answer += data
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), rest[-40:]
+        heads.append(head.split(b"\r\n"))
+    assert heads[0] == heads[1]
 
 
 def first_difference(a: Any, b: Any, where: str = "") -> str:
