@@ -9,6 +9,7 @@ Both servers run with --ubatch-size 32, as in the exact-replay proof (test_exact
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import random
 import re
@@ -27,12 +28,14 @@ from scripts.mitm import REPO, Mitmdump
 from scripts.tinymodels import PRESETS, Preset, write_model
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_exact_replay import SAME_BATCHES, fragment_bias
+from tests.test_shadow import long_body
 from tests.test_splice import handoff_after
 
 ANSWER = 64
 CUTS = 100
 # A prompt long enough that every cut leaves more than the migrator's minimum to move.
 MESSAGES = [{"role": "user", "content": " ".join(["Tell me about the river and the bridge."] * 10)}]
+STREAMS = 24
 MOVED = re.compile(r"after (\d+) tokens .*replayed as token ids, moved (\d+) tokens' KV state")
 
 
@@ -131,6 +134,48 @@ def test_a_model_of_the_same_shape_with_other_weights_is_refused(
     (note,) = stream.notes
     assert "not moved: their fingerprints differ in model" in note and "logits" in note, note
     assert slot_files(slot_dir) == []
+
+
+def test_answers_closed_around_their_migration_leave_nothing_behind(
+    start_server, start_proxy, slot_dir: Path
+) -> None:
+    """STREAMS streams, 4 at a time, each closed by its client 0-120 ms after it asked for a
+    handoff of every live answer at its 40th chunk, so that clients go away during the
+    moves (finding, saving, restoring, the continuation's start): once they are gone no
+    slot file is left in the slot directory and no target slot stays reserved."""
+    saves = ["--slot-save-path", str(slot_dir)]
+    # A prompt of 1,500 tokens: reading it again costs more than moving it, so it moves.
+    first = start_server("primary", ctx_size=4 * 4096, extra_args=saves)
+    second = start_server("primary", ctx_size=4 * 4096, extra_args=saves)
+    proxy = start_proxy(first.url, [second.url], options=[f"spillover_slot_dir={slot_dir}"])
+    fingerprinted(proxy, [first.url, second.url])
+    rng = random.Random(23)
+    delays = [rng.uniform(0, 0.12) for _ in range(STREAMS)]
+    body = long_body(300)
+
+    def one(delay: float) -> None:
+        asked = None
+        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 40:
+                    httpx.post(f"{proxy.url}/spillover/handoff", timeout=30)
+                    asked = time.monotonic()
+                if asked is not None and time.monotonic() - asked >= delay:
+                    return  # the client goes away
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, delays))
+    deadline = time.monotonic() + 5
+    while True:
+        migration = httpx.get(f"{proxy.url}/spillover/status").json()["migration"]
+        reserved = {url: s for url, s in migration["reserved"].items() if s}
+        if (not reserved and not slot_files(slot_dir)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    recent = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    moved = [h for h in recent if h.get("migration", {}).get("why", "").startswith("moved")]
+    assert moved, migration  # moves were under way, and some ended before their client
+    assert slot_files(slot_dir) == [] and reserved == {}, (slot_files(slot_dir), reserved)
 
 
 # The migrator on its own, against real servers: every step fails or is cancelled in
