@@ -218,8 +218,11 @@ async def malformed(client: httpx.AsyncClient, url: str, tally: Tally) -> None:
     for kind, content in itertools.cycle(MALFORMED):
         await asyncio.sleep(MALFORMED_EVERY)
         seen = await fetch(client, url, content)
-        well_formed = seen.json_body or (seen.event_stream and not seen.faults())
-        answer = f"{seen.status} {'JSON' if seen.json_body else 'stream'}"
+        # A constrained answer cut by a stall ends with an in-band error: readable too.
+        errored = seen.ended_with_an_error()
+        well_formed = seen.json_body or errored or (seen.event_stream and not seen.faults())
+        kind_of = "JSON" if seen.json_body else "in-band error" if errored else "stream"
+        answer = f"{seen.status} {kind_of}"
         tally.malformed[f"{kind}: {answer if well_formed else 'BAD'}"] += 1
         if not well_formed:
             tally.malformed_bad.append(f"{kind}: HTTP {seen.status}; {seen.faults()}")

@@ -27,6 +27,15 @@ class Seen:
     deltas: int = 0  # content deltas: one per token
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    errors: int = 0  # in-band error events
+
+    def ended_with_an_error(self) -> bool:
+        """A stream that ended with one readable in-band error event, nothing else wrong
+        (what an answer that no server could continue ends with)."""
+        return (
+            self.status == 200 and self.event_stream and self.errors == 1 and not self.done
+            and len(self.problems) == 1 and self.finishes == 0
+        )  # fmt: skip
 
     def take(self, line: str) -> None:
         if line.startswith(": spillover:"):
@@ -41,6 +50,7 @@ class Seen:
                 return
             if "error" in payload:
                 self.problems.append(f"error event: {json.dumps(payload['error'])[:300]}")
+                self.errors += 1
                 return
             self.chunks += 1
             self.ids.add(payload.get("id"))
