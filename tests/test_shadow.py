@@ -233,7 +233,7 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
 
     def shadowed(index: int) -> None:
         try:
-            body = long_body(300)
+            body = {**long_body(400), "ignore_eos": True}  # long enough on a fast machine
             body["messages"][0]["content"] += f" ({index})"
             streams[index] = read_stream(proxy.url, body, timeout=120)
         except Exception as exc:  # (failed below, in the test's thread)
@@ -253,6 +253,7 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
     deadline = time.monotonic() + 60
     while sum(1 for n in updates.values() if n) < 2:  # the shadows are under way
         assert time.monotonic() < deadline and not errors, (updates, errors)
+        assert any(t.is_alive() for t in answering), f"answers ended first: {updates}"
         for answer in live(proxy):
             if answer["shadow"]:
                 updates[answer["flow"]] = answer["shadow"]["updates"]
