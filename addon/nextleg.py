@@ -72,17 +72,17 @@ class NextLeg:
         native = await self._exact(upstream)
         if native is not None:
             body, rewriter = native
-            body.pop("id_slot", None)  # the client's, of the primary (see `unpinned`)
-            return "/completion", body, rewriter, "token ids"
-        body = self.dialect.continuation(self.body, self.transcript)
-        body.pop("id_slot", None)
-        info = self._servers.get(upstream) if self._servers else None
-        rewriter = self.dialect.rewriter(
-            self.transcript, body, info.echoes_prefill if info else None
-        )
-        delivered = self.transcript.content or self.transcript.reasoning
-        path = self.dialect.leg_path(self.path, body)
-        return path, body, rewriter, "text" if delivered else None
+            path, replay = "/completion", "token ids"
+        else:
+            body = self.dialect.continuation(self.body, self.transcript)
+            info = self._servers.get(upstream) if self._servers else None
+            rewriter = self.dialect.rewriter(
+                self.transcript, body, info.echoes_prefill if info else None
+            )
+            delivered = self.transcript.content or self.transcript.reasoning
+            path, replay = self.dialect.leg_path(self.path, body), "text" if delivered else None
+        body.pop("id_slot", None)  # the client's, one of the primary's (see `unpinned`)
+        return path, body, rewriter, replay
 
     async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
         """The prompt as `upstream` renders it and the delivered token ids, when a

@@ -44,11 +44,11 @@ SLOTS_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 300.0  # the first update reads the whole prompt
 GIVE_UP_AFTER = 3
 ONE_SHOT = httpx.Limits(max_keepalive_connections=0)
-# Fields that cost work and change nothing in the cache a prompt leaves behind, and the
-# client's own slot (one of the primary's: see the module's docstring).
+# Fields that cost work and change nothing in the cache a prompt leaves behind (the
+# continuation it is made from names no slot: NextLeg.continuation).
 NOT_FOR_PREFILL = (
     *TOKEN_LIMIT_FIELDS, "stream_options", "logprobs", "top_logprobs", "n_probs",
-    "post_sampling_probs", "timings_per_token", "return_tokens", "id_slot",
+    "post_sampling_probs", "timings_per_token", "return_tokens",
 )  # fmt: skip
 SHADOW_MODES = ("near", "always", "off")
 

@@ -28,7 +28,7 @@ from addon.pace import Pace, PaceLimits
 from addon.pump import Pump
 from addon.servers import ServerDirectory
 from addon.upstream import Upstream, UpstreamError, post, sent_headers
-from addon.wire import ClientStream, Header, asks_to_close, forwardable, passed_back
+from addon.wire import ClientStream, Header, asks_to_close, forwardable
 
 NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
@@ -369,7 +369,7 @@ class Splice:
                     return f"{upstream.url} does not serve {path} (HTTP {response.status})"
                 bad_input = response.status < 500 and not client.started
                 if bad_input or not self.handoffs:
-                    said, head = await response.read_all(), passed_back(response.headers)
+                    said, head = await response.read_all(), list(response.headers)
                     refusal = (response.status, head, said, response.reason)
                     if bad_input:
                         # The request itself was refused, by the first server or by one that
@@ -383,10 +383,10 @@ class Splice:
                 notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
                 if self._route_note:
                     notes.insert(0, (b"x-spillover-route", self._route_note.encode()))
-                client.respond(200, passed_back(response.headers) + notes, answer, response.reason)
+                client.respond(200, [*response.headers, *notes], answer, response.reason)
                 return None
             if not client.started:
-                client.start(200, passed_back(response.headers), response.reason)
+                client.start(200, list(response.headers), response.reason)
             if self._queued:
                 client.write(b"".join(self._queued))
                 self._queued.clear()

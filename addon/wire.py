@@ -45,11 +45,6 @@ def forwardable(headers: Sequence[Header]) -> list[Header]:
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
-def passed_back(headers: Sequence[Header]) -> list[Header]:
-    """A server's response headers as the client gets them (see `framed`)."""
-    return list(headers)
-
-
 def framed(headers: Sequence[Header], framing: Header) -> list[Header]:
     """`headers` with `framing` (how the endpoint frames the body) in the place of the
     first framing header they have, and no other; at the end when they have none."""
