@@ -16,9 +16,9 @@ from pathlib import Path
 if __package__ != "addon":  # loaded by `mitmdump -s` as a script file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon.proxy import Spillover
-from addon.sseview import register as register_sseview
-from addon.watch import MemoryWatch
+from addon.surface.proxy import Spillover
+from addon.surface.sseview import register as register_sseview
+from addon.surface.watch import MemoryWatch
 
 register_sseview()
 spillover = Spillover()

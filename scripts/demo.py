@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.processes import running
-from scripts.tinymodels import ensure_models
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.processes import running
+from scripts.testbed.tinymodels import ensure_models
 
 CYAN, YELLOW, DIM, RESET = "\033[36m", "\033[33m", "\033[2m", "\033[0m"
 PROMPT = "Tell me a long story about the river, the bridge and the mountain."

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from addon.fingerprint import Fingerprint, fingerprint_for_migration
+from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -138,7 +138,7 @@ def main() -> None:
                 print("  " + line)
 
     print("\nllama-server for the demo and tests")
-    from scripts.llamabin import BinaryNotFound, find_binary
+    from scripts.testbed.llamaserver import BinaryNotFound, find_binary
 
     try:
         print(f"  {OK}{find_binary()}")

@@ -2,8 +2,8 @@
 
 Real llama-servers on the tiny models throughout, except where a real server cannot do
 the thing on demand: the in-band error and the tool call come from a scripted upstream
-(scripts/scripted_upstream.py), and the Ollama session from a scripted Ollama
-(scripts/ollama_upstream.py: Ollama cannot run here); recordings/README.md says which is
+(scripts/testbed/scripted_upstream.py), and the Ollama session from a scripted Ollama
+(scripts/testbed/ollama_upstream.py: Ollama cannot run here); recordings/README.md says which is
 which.
 
     .venv/bin/python -m scripts.record [recordings/] [--only NAME ...]
@@ -21,14 +21,20 @@ from pathlib import Path
 import httpx
 from mitmproxy import io
 
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.ollama_upstream import OllamaUpstream
-from scripts.processes import free_port, running
-from scripts.prompts import PROMPT, TOOLS, chat_body
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, cut_tool_call, sse_chunk
-from scripts.tinymodels import ensure_models, reasoning_template
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.ollama_upstream import OllamaUpstream
+from scripts.testbed.processes import free_port, running
+from scripts.testbed.prompts import PROMPT, TOOLS, chat_body
+from scripts.testbed.scripted_upstream import (
+    STREAM_HEAD,
+    FakeUpstream,
+    chunked,
+    cut_tool_call,
+    sse_chunk,
+)
+from scripts.testbed.tinymodels import ensure_models, reasoning_template
 
 # One client kept open: making one per request costs ~50 ms (its TLS context), long
 # enough for a tiny model to finish the answer before the handoff arrives.

@@ -2,7 +2,7 @@
 
 For each answer in a recording (a `-w` file the addon wrote), every upstream server is
 played by a stand-in that answers from the recorded legs and questions
-(`scripts/replayserver.py`); the current addon runs in a real mitmdump in front of them;
+(`scripts/testbed/replayserver.py`); the current addon runs in a real mitmdump in front of them;
 the client's request is sent again; each asked-for handoff is asked for again once the
 answer has reached the recorded cut. The client's stream must come out as recorded
 (ids, timestamps and pause times aside), and each leg request as recorded.
@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 from mitmproxy import http, io
 
-from scripts.mitm import Mitmdump
-from scripts.processes import free_port
-from scripts.replayserver import ReplayServer, request_difference
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.processes import free_port
+from scripts.testbed.replayserver import ReplayServer, request_difference
 
 # Anywhere in an event: ids, times and durations the servers make up anew for each answer.
 VOLATILE = (

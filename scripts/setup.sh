@@ -42,4 +42,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-.venv/bin/python -m scripts.llamabin >/dev/null
+.venv/bin/python -m scripts.testbed.llamaserver >/dev/null

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from scripts.memfiles import mem_available_mib
+from scripts.testbed.memfiles import mem_available_mib
 
 MIB = 1024 * 1024
 PAGE = mmap.PAGESIZE

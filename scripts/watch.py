@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import urwid
 
-from addon.control import read_secret
+from addon.servers.credentials import read_secret
 
 PALETTE = [
     ("title", "bold", ""),

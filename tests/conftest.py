@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.llamaserver import LlamaServer
-from scripts.mitm import Mitmdump
-from scripts.tinymodels import ensure_models
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.tinymodels import ensure_models
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from scripts.prompts import PROMPT, chat_body
+from scripts.testbed.prompts import PROMPT, chat_body
 
 
 @dataclass

@@ -8,10 +8,10 @@ import json
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.test import taddons, tflow
 
-from addon.endpoint import TOKEN_HEADER
-from addon.proxy import Spillover
-from addon.upstream import Upstream
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from addon.answer.endpoint import TOKEN_HEADER
+from addon.servers.upstream import Upstream
+from addon.surface.proxy import Spillover
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 
 
 def chat_flow(body: dict | bytes, path: str = "/v1/chat/completions", method: str = "POST"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.memfiles import FakeCard, FakeProcess, add_listening_socket, drm_node
+from scripts.testbed.memfiles import FakeCard, FakeProcess, add_listening_socket, drm_node
 from watchers import gates
 from watchers.devices import DeviceCards, DeviceFile, open_devices
 from watchers.fdinfo import FdinfoSource

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from mitmproxy import io
 
-from addon.credentials import Credentials
-from scripts.prompts import PROMPT
+from addon.servers.credentials import Credentials
+from scripts.testbed.prompts import PROMPT
 from tests.streams import assert_one_clean_stream, chat_body
 from tests.test_splice import LONG, handoff_after
 

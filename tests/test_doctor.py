@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard, write_meminfo
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard, write_meminfo
 
 REPO = Path(__file__).resolve().parent.parent
 

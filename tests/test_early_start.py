@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from scripts.llamaserver import LlamaServer
-from scripts.prompts import chat_body
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.prompts import chat_body
 
 OTHER_ADDON = """
 from mitmproxy import http

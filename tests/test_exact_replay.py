@@ -19,7 +19,7 @@ import re
 import httpx
 import pytest
 
-from scripts.mitm import Mitmdump
+from scripts.testbed.mitm import Mitmdump
 from tests.streams import RawStream, assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_splice import handoff_after
 

@@ -1,4 +1,4 @@
-"""The parts of the GPU proof (`scripts/gpu_proof.py`) that need no GPU: what `--check`
+"""The parts of the GPU proof (`scripts/gpu/proof.py`) that need no GPU: what `--check`
 says, the plan of what to allocate against the project's own pressure logic, the verdict
 and timing of a recorded stream, the statistics and table, and the CUDA build's argv."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from scripts.gpu_hog import Plan, PressureSimulator, Simulator, plan_memory
-from scripts.gpu_proof import describe
-from scripts.gpu_setup import (
+from scripts.gpu.hog import Plan, PressureSimulator, Simulator, plan_memory
+from scripts.gpu.proof import describe
+from scripts.gpu.setup import (
     PROJECT_MODULES,
     _unpack,
     build_argv,
@@ -27,7 +27,7 @@ from scripts.gpu_setup import (
     find_nvcc,
     parse_smi,
 )
-from scripts.gpu_stats import (
+from scripts.gpu.stats import (
     RunResult,
     Summary,
     format_table,
@@ -35,7 +35,7 @@ from scripts.gpu_stats import (
     parse_histogram,
     percentile,
 )
-from scripts.gpu_testbed import measure
+from scripts.gpu.testbed import measure
 from tests.streams import RawStream, record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_check_on_a_machine_without_a_gpu_exits_1_and_names_what_is_missing(tmp_path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.gpu_proof", "--check"],
+        [sys.executable, "-m", "scripts.gpu.proof", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,

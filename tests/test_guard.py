@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from scripts.guard import GuardProcess
-from scripts.mitm import Mitmdump
+from scripts.testbed.mitm import Mitmdump
 from tests.streams import chat_body
 from tests.test_splice import held
 

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from scripts.llamaserver import LlamaServer
-from scripts.processes import free_port
-from scripts.prompts import TOOLS
-from scripts.scripted_upstream import (
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.processes import free_port
+from scripts.testbed.prompts import TOOLS
+from scripts.testbed.scripted_upstream import (
     STREAM_HEAD,
     FakeUpstream,
     chunked,

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.prompts import PROMPT
+from scripts.testbed.prompts import PROMPT
 
 VOLATILE = {"id", "created", "timings", "t_start", "media_marker"}
 # A body's length moves with its timings; a process's start time with the process.

@@ -139,7 +139,7 @@ def assert_well_formed(result: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def bed(primary, fallback, server_logs):
-    from scripts.mitm import Mitmdump
+    from scripts.testbed.mitm import Mitmdump
     from tests.conftest import SHADOW_OFF
 
     mitm = Mitmdump(primary.url, [fallback.url], log_dir=server_logs, options=SHADOW_OFF).start()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.memfiles import FakeCard
+from scripts.testbed.memfiles import FakeCard
 from watchers.monitor import SLOW_FACTOR, MemoryMonitor
 from watchers.pressure import CardState, Lines
 from watchers.reading import Reading

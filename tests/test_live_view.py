@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.memfiles import FakeCard
-from scripts.mitm import REPO, watch_sysfs
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import REPO, watch_sysfs
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 from tests.test_splice import handoff, held
 

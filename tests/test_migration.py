@@ -21,11 +21,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from addon.fingerprint import Fingerprint
-from addon.migration import Migrator, Moved
-from addon.upstream import Upstream
-from scripts.mitm import REPO, Mitmdump
-from scripts.tinymodels import PRESETS, Preset, write_model
+from addon.handoff.migration import Migrator
+from addon.handoff.record import Moved
+from addon.servers.fingerprint import Fingerprint
+from addon.servers.upstream import Upstream
+from scripts.testbed.mitm import REPO, Mitmdump
+from scripts.testbed.tinymodels import PRESETS, Preset, write_model
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_exact_replay import SAME_BATCHES, fragment_bias
 from tests.test_shadow import long_body

@@ -81,7 +81,7 @@ def mitmweb(flows: Path, workdir: Path) -> Iterator[str]:
     loader = workdir / "load_sseview.py"
     loader.write_text(
         f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
-        "from addon.sseview import register\nregister()\n"
+        "from addon.surface.sseview import register\nregister()\n"
     )
     columns = ["tls", "icon", "path", "method", "status", "size", "comment"]
     for _attempt in range(3):  # the free port may be taken before mitmweb binds it

@@ -1,7 +1,7 @@
 """Ollama chat streams (/api/chat) carried across handoffs, read by the official `ollama`
 client through a real mitmdump with the addon.
 
-Ollama cannot run here, so both servers are scripted (scripts/ollama_upstream.py): each
+Ollama cannot run here, so both servers are scripted (scripts/testbed/ollama_upstream.py): each
 speaks Ollama's NDJSON wire format and writes a deterministic answer that depends on
 the text before it, so the text across a cut can be checked exactly."""
 
@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import ollama
 
-from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.ollama_upstream import OllamaUpstream, answer, generated
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.ollama_upstream import OllamaUpstream, answer, generated
 from tests.test_splice import handoff
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about the river and the bridge."}]

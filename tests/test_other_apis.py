@@ -22,17 +22,17 @@ import httpx
 import openai
 import pytest
 
-from addon.chat import Chat
-from addon.messages import Messages
-from addon.responses import Responses
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.ollama_upstream import OllamaUpstream
-from scripts.processes import free_port
-from scripts.prompts import PROMPT
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
-from scripts.tinymodels import reasoning_template
+from addon.formats.chat import Chat
+from addon.formats.messages import Messages
+from addon.formats.responses import Responses
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.ollama_upstream import OllamaUpstream
+from scripts.testbed.processes import free_port
+from scripts.testbed.prompts import PROMPT
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
+from scripts.testbed.tinymodels import reasoning_template
 from tests.streams import continuation, direct_text
 from tests.test_splice import handoff, held
 

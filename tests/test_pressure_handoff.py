@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard, mem_available_mib, write_meminfo
-from scripts.mitm import watch_sysfs
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard, mem_available_mib, write_meminfo
+from scripts.testbed.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
 from tests.test_splice import held
 

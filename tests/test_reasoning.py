@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.llamaserver import LlamaServer
-from scripts.mitm import Mitmdump
-from scripts.tinymodels import reasoning_template
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.tinymodels import reasoning_template
 from tests.streams import PROMPT, assert_one_clean_stream, chat_body, read_stream
 from tests.test_splice import handoff_after
 

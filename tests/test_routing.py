@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 
-from addon.ladder import Ladder
-from addon.upstream import Upstream
-from scripts.llamaserver import LlamaServer
-from scripts.memfiles import FakeCard
-from scripts.mitm import watch_sysfs
+from addon.answer.ladder import Ladder
+from addon.servers.upstream import Upstream
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import watch_sysfs
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_splice import held
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from scripts.mitm import REPO
-from scripts.processes import free_port
+from scripts.testbed.mitm import REPO
+from scripts.testbed.processes import free_port
 from tests.streams import chat_body
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.memfiles import FakeCard
-from scripts.mitm import Mitmdump, watch_sysfs
-from scripts.victims import changed, victim_body
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.victims import changed, victim_body
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
 from tests.test_splice import handoff, held
@@ -209,7 +209,7 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
     the fallback's own clients ask there one request after another (landing, by
     llama-server's own choice, in slots the shadows used between their updates): each
     answer has all its tokens, and each token is the one the same request made alone
-    gets (up to a tie: see scripts/victims.py). Pinned updates changed such answers."""
+    gets (up to a tie: see scripts/testbed/victims.py). Pinned updates changed such answers."""
     primary = start_server("primary", ctx_size=4 * 4096, slots=4)
     fallback = start_server("fallback", ctx_size=4 * 4096, slots=4)
     proxy = start_proxy(

@@ -18,11 +18,11 @@ import openai
 import pytest
 from mitmproxy import io
 
-from addon.servers import MARKER
-from scripts.llamaserver import LlamaServer
-from scripts.mitm import Mitmdump
-from scripts.processes import free_port
-from scripts.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from addon.servers.directory import MARKER
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.processes import free_port
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from tests.streams import (
     PROMPT,
     RawStream,

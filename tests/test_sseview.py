@@ -10,7 +10,7 @@ from mitmproxy import contentviews
 from mitmproxy.contentviews import Metadata
 from mitmproxy.test import taddons, tflow
 
-from addon.sseview import NAME, PRIORITY_OTHER_SSE, PRIORITY_SPLICED, RULE, register, view
+from addon.surface.sseview import NAME, PRIORITY_OTHER_SSE, PRIORITY_SPLICED, RULE, register, view
 
 HEAD = "handoff http://127.0.0.1:8081 -> http://127.0.0.1:8082 after 2 tokens"
 DETAILS = "(requested by POST /spillover/handoff), replayed as token ids, first byte after 3.1 ms"

@@ -9,20 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from addon import sse
-from addon.chat import ChatReader
-from addon.continuation import (
-    ChunkRewriter,
-    Transcript,
-    cannot_continue,
-    continuation_body,
-    prefill_of,
-    take_pieces,
-)
-from addon.exact import NativeToChat, native_body
-from addon.toolcalls import ToolCallHold
-from addon.upstream import ChunkedBody, LengthBody, UpstreamError
-from scripts.scripted_upstream import chunked, sse_chunk
+from addon.formats import sse
+from addon.formats.chat import ChatReader
+from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
+from addon.formats.toolcalls import ToolCallHold
+from addon.formats.transcript import Transcript, take_pieces
+from addon.handoff.exact import NativeToChat, native_body
+from addon.servers.upstream import ChunkedBody, LengthBody, UpstreamError
+from scripts.testbed.scripted_upstream import chunked, sse_chunk
 
 STREAM = (
     sse_chunk(role=True) + sse_chunk(" the") + b": ping\n\n" + sse_chunk(" river")

@@ -9,8 +9,8 @@ import sys
 import httpx
 import pytest
 
-from scripts.memfiles import mem_available_mib
-from scripts.mitm import REPO
+from scripts.testbed.memfiles import mem_available_mib
+from scripts.testbed.mitm import REPO
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 
 

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from scripts.llamaserver import LlamaServer, ServerFailed, running
-from scripts.tinymodels import PRESETS, build_vocab, write_model
+from scripts.testbed.llamaserver import LlamaServer, ServerFailed, running
+from scripts.testbed.tinymodels import PRESETS, build_vocab, write_model
 
 PROMPT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
 
@@ -108,7 +108,7 @@ def test_servers_die_with_a_killed_parent(models: dict[str, Path], tmp_path: Pat
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
             from pathlib import Path
-            from scripts.llamaserver import LlamaServer
+            from scripts.testbed.llamaserver import LlamaServer
             server = LlamaServer(Path({str(models["fallback"])!r})).start()
             Path({str(pid_file)!r}).write_text(str(server.pid))
             time.sleep(60)

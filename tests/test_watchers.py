@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.memfiles import FakeCard, write_meminfo
+from scripts.testbed.memfiles import FakeCard, write_meminfo
 from watchers.fdinfo import FdinfoSource, parse_fdinfo
 from watchers.gates import CardMap, listening_pids, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from addon.chat import Chat
-from addon.continuation import Transcript
-from addon.dialect import EchoStrip, Step
-from addon.messages import Messages, MessagesReader, MessagesRewriter
-from addon.ollama import LineSplitter, Ollama, OllamaGenerate, OllamaReader
-from addon.responses import Responses, ResponsesReader, ResponsesRewriter
+from addon.formats.chat import Chat
+from addon.formats.dialect import EchoStrip, Step
+from addon.formats.messages import Messages, MessagesReader, MessagesRewriter
+from addon.formats.ollama import LineSplitter, Ollama, OllamaGenerate, OllamaReader
+from addon.formats.responses import Responses, ResponsesReader, ResponsesRewriter
+from addon.formats.transcript import Transcript
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -1,0 +1,53 @@
+"""Where an answer may go next: its servers in order, the one carrying it, those that
+failed it.
+
+An asked-for handoff goes down the ladder, to servers that are up and not under memory
+pressure (never onto the card that fired). A failed leg goes down too, and failing that
+back up to a server that was left while healthy (on request), and last to one under
+pressure (it may yet survive; an error surely ends the answer): the ladder is not
+one-way, but a server that failed an answer is never tried for it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from addon.servers.upstream import Upstream
+
+
+class Ladder:
+    def __init__(
+        self,
+        servers: Sequence[Upstream],
+        state: Callable[[str], str] = lambda _: "ok",
+        admits: Callable[[Upstream], bool] = lambda _: True,
+    ) -> None:
+        """`state(url)`: the router's word for a server now (ok, pressured, down,
+        draining); `admits(server)`: whether the client may be served there now (see
+        Credentials.may_start_on)."""
+        self.servers = list(servers)
+        self.state = state
+        self.admits = admits
+        self.at = 0  # the index of the server carrying the answer now
+        self.failed: set[int] = set()
+
+    @property
+    def current(self) -> Upstream:
+        return self.servers[self.at]
+
+    def below(self, state: str = "ok") -> list[int]:
+        """Where an asked-for handoff may go: down the ladder, past servers that failed,
+        to those in `state`."""
+        return [
+            i
+            for i in range(self.at + 1, len(self.servers))
+            if i not in self.failed
+            and self.state(self.servers[i].url) == state
+            and self.admits(self.servers[i])
+        ]
+
+    def after_failure(self) -> int | None:
+        """The current server failed the answer: where it goes now, if anywhere."""
+        self.failed.add(self.at)
+        above = [i for i in range(self.at) if i not in self.failed and self.admits(self.servers[i])]
+        return next(iter([*self.below(), *above, *self.below("pressured")]), None)

@@ -1,0 +1,420 @@
+"""One streaming answer, carried across upstream legs onto one client response.
+
+A `Splice` streams from the first server on its ladder. When told to hand off (memory
+pressure, a person) or when the leg fails (connection lost, in-band error, 5xx, garbled
+bytes), it drops that leg at once and asks the next server on the ladder to continue
+from exactly what the client has received, rewriting that server's chunks so the client
+reads one stream with one finish and one [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from addon.answer.ladder import Ladder
+from addon.answer.pace import Pace, PaceLimits
+from addon.answer.pump import Pump
+from addon.formats.dialect import Dialect, Rewriter
+from addon.formats.transcript import Transcript
+from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
+from addon.handoff.exact import first_leg_asks
+from addon.handoff.migration import Migrator
+from addon.handoff.nextleg import NextLeg, unpinned
+from addon.handoff.record import Handoff
+from addon.servers.credentials import Credentials, redacted
+from addon.servers.directory import ServerDirectory
+from addon.servers.exchange import Exchange
+from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
+
+NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
+BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
+log = logging.getLogger(__name__)
+
+
+class Splice:
+    def __init__(
+        self,
+        *,
+        path: str,
+        dialect: Dialect,
+        headers: Sequence[Header],
+        body: dict[str, Any],
+        raw_body: bytes,
+        ladder: Sequence[Upstream],
+        servers: ServerDirectory | None = None,
+        on_handoff: Callable[[Handoff], None] = lambda _: None,
+        on_exchange: Callable[[Exchange], None] | None = None,  # None: legs are not kept
+        exact: bool = True,
+        credentials: Credentials | None = None,
+        pace: PaceLimits | None = None,
+        primary: Upstream | None = None,
+        state_of: Callable[[str], str] = lambda _: "ok",
+        on_down: Callable[[Upstream, str], None] = lambda *_: None,
+        route_note: str | None = None,
+        settle: Callable[[Upstream], Awaitable[bool]] | None = None,
+        migrator: Migrator | None = None,
+        locked: frozenset[str] = frozenset(),
+    ) -> None:
+        """`primary`: the server the client addressed (the ladder may start elsewhere);
+        `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
+        why the answer starts where it does, told to the client; `settle(server)`: once a
+        shadow prefill of the answer in flight there is done, whether one holds the answer
+        there (see shadow.py);
+        `migrator`: moves an answer's KV state to a server running the same model;
+        `locked`: servers that want a key the addon was not given (see credentials.py)."""
+        self.path = path
+        self.dialect = dialect
+        # post() sets these itself for each upstream.
+        self.headers = [
+            (k, v)
+            for k, v in forwardable(headers)
+            if k.lower() not in (b"host", b"accept-encoding")
+        ]
+        if asks_to_close(headers):
+            self.headers.append((b"connection", b"close"))
+        self._credentials = credentials or Credentials()
+        self._accepted = False  # the primary has answered: the client is one it lets in
+        # The primary's own error response, if it refused before any byte went out.
+        self._refusal: tuple[int, list[Header], bytes, bytes] | None = None
+        self.body = body
+        self.ladder = list(ladder)
+        # Token-exact replay needs the first leg's token ids (see exact.py).
+        self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
+            path, body, raw_body, self.ladder, servers if exact else None
+        )
+        self.transcript = Transcript()
+        self.handoffs: list[Handoff] = []
+        self._noted = 0  # handoffs told to the client
+        self.streaming = dialect.streaming(body)
+        self._next = NextLeg(
+            path, dialect, body, self.transcript, self.ladder[0], servers, self.asks_ids
+        )
+        self._servers = servers
+        self._on_handoff = on_handoff
+        self._on_exchange = on_exchange
+        self.primary = primary or self.ladder[0]
+        self._rungs = Ladder(
+            self.ladder,
+            state_of,
+            lambda s: self._credentials.admits(s.url, self.primary.url, locked, self._accepted),
+        )
+        self._on_down = on_down
+        self._route_note = route_note
+        self._settle = settle
+        self._migrator = migrator
+        self._leg_task: asyncio.Future[str | None] | None = None
+        self._moving = False  # a handoff is being checked or carried out
+        self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
+        self._finishing = False
+        self._cancelled = False
+        self._queued: list[bytes] = []
+        if route_note and (note := dialect.note(f"spillover: {route_note}")):
+            self._queued.append(note)
+        self._limits = pace or PaceLimits()
+        self._pace: Pace | None = None  # the current leg's
+
+    @property
+    def current(self) -> Upstream:
+        return self._rungs.current
+
+    @property
+    def next_leg(self) -> NextLeg:
+        return self._next
+
+    def next_server(self) -> Upstream | None:
+        """Where an asked-for handoff would go first now, if anywhere."""
+        below = self._rungs.below()
+        return self.ladder[below[0]] if below and self.can_cut else None
+
+    def handoff(
+        self, reason: str, kind: str = "requested", targets: list[int] | None = None
+    ) -> asyncio.Future[bool] | None:
+        """Ask to move the answer to the first of `targets` (default: the servers below)
+        with room for it. None with nothing to move (the answer is complete, moving, or
+        has all its tokens), nowhere to go, or no server that could continue it
+        faithfully; else a future that says whether it moved. Where that server surely
+        has room the leg is cut at once; otherwise it goes on while servers are asked."""
+        targets = self._rungs.below() if targets is None else targets
+        if not targets or not self.can_cut or self._moving:
+            return None
+        self.transcript.settle()
+        limit = self.dialect.limit(self.body)
+        spent = limit is not None and self.transcript.produced >= limit
+        if spent or self.dialect.cannot_continue(self.body, self.transcript) is not None:
+            return None
+        decided = time.monotonic()
+        if self._next.fits_without_asking(self.ladder[targets[0]]):
+            self._cut(reason, kind, decided, targets[0])  # at once: the usual case
+            moved = asyncio.get_running_loop().create_future()
+            moved.set_result(True)
+            return moved
+        self._moving = True
+        return asyncio.ensure_future(self._move(reason, kind, decided, targets))
+
+    def hand_back(self, min_left: int) -> asyncio.Future[bool] | None:
+        """Move the answer back to the primary (whose state the caller has checked),
+        unless fewer than `min_left` tokens are still to come."""
+        home, rungs = self.ladder.index(self.primary), self._rungs
+        if rungs.at == home or home in rungs.failed:
+            return None
+        # Only what pressure did (or a start elsewhere) is undone: not a person's request.
+        left = [h.kind for h in self.handoffs if h.source == self.primary.url]
+        if (left[-1] if left else "route") not in BACK_FROM:
+            return None
+        limit = self.dialect.limit(self.body)
+        if limit is not None and limit - self.transcript.produced < min_left:
+            return None
+        return self.handoff(f"{self.primary.url} is clear again", "handback", [home])
+
+    async def _move(self, reason: str, kind: str, decided: float, below: list[int]) -> bool:
+        """Ask the servers below whether the rest fits, while the current leg goes on."""
+        leg = self._leg_task
+        try:
+            target = None
+            for index in below:
+                if await self._next.fits(self.ladder[index]):
+                    target = index
+                    break
+            if target is None or leg is not self._leg_task or not self.can_cut:
+                return False  # nowhere with room, or the answer ended or moved meanwhile
+            self._cut(reason, kind, decided, target)
+            return True
+        finally:
+            if self._pending is None:
+                self._moving = False
+
+    @property
+    def can_cut(self) -> bool:
+        leg = self._leg_task
+        return leg is not None and not leg.done() and not self._finishing and not self._pending
+
+    def _cut(self, reason: str, kind: str, decided: float, target: int | None) -> None:
+        """Drop the current leg now; `run` goes on at `target` (None: as after a failure)."""
+        assert self._leg_task is not None
+        self._pending = (reason, kind, decided, target)
+        self._leg_task.cancel()
+
+    def check_pace(self, now: float) -> None:
+        """Leave a leg that stalled (like a failed one) or slowed far below its own pace
+        (like an asked-for handoff: it stays if no other server has room)."""
+        pace = self._pace
+        if pace is None or not self.can_cut or (verdict := pace.verdict(now)) is None:
+            return
+        kind, why = verdict
+        reason = f"{self.current.url}: {why}"
+        if kind == "slow":
+            self.handoff(reason, kind)
+            return
+        self._pace = None
+        self._on_down(self.current, why)
+        self._cut(reason, kind, now, None)
+
+    def cancel(self) -> None:
+        """The client went away: drop every leg."""
+        self._cancelled = True
+        if self._leg_task is not None:
+            self._leg_task.cancel()
+
+    async def run(self, client: ClientStream) -> None:
+        while True:
+            self._leg_task = asyncio.ensure_future(self._leg(client))
+            try:
+                failure = await self._leg_task
+                kind, decided, target = "failure", time.monotonic(), None
+            except asyncio.CancelledError:
+                if self._cancelled or self._pending is None:
+                    raise
+                failure, kind, decided, target = self._pending
+            finally:
+                self._pending = None
+                self._moving = False
+            if failure is None:
+                return
+            if target is None:
+                target = self._rungs.after_failure()
+            self.transcript.settle()
+            if (why := self.dialect.cannot_continue(self.body, self.transcript)) is not None:
+                self._give_up(client, f"{failure}; {why}")
+                return
+            if target is None:
+                self._give_up(client, failure)
+                return
+            self._announce(failure, kind, decided, target)
+
+    def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
+        source = self.current
+        self._rungs.at = target
+        handoff = Handoff(
+            reason=reason,
+            source=source.url,
+            target=self.current.url,
+            at_token=self.transcript.produced,
+            at_char=len(self.transcript.text),
+            decided=decided,
+            kind=kind,
+        )
+        self.handoffs.append(handoff)
+        self._on_handoff(handoff)
+
+    def _note(self, client: ClientStream) -> None:
+        """Tell the client, in a comment line each, where and how the answer moved: every
+        handoff not told yet (a leg dropped before it began left its own untold)."""
+        untold = self.handoffs[self._noted :]
+        notes = [n for h in untold if (n := self.dialect.note(f"spillover: {h.describe()}"))]
+        self._noted = len(self.handoffs)
+        if client.started:
+            client.write(b"".join(notes))
+        else:
+            self._queued.extend(notes)
+
+    def _give_up(self, client: ClientStream, failure: str) -> None:
+        message = f"no server could continue this answer: {failure}"
+        if client.started:
+            client.end(self.dialect.error_end(message))
+        elif self._refusal is not None:
+            client.respond(*self._refusal)  # the primary's own error
+        else:
+            client.respond(502, *self.dialect.refusal(message))
+
+    async def _leg(self, client: ClientStream) -> str | None:
+        """Stream one leg into the client. None when the answer is complete, otherwise
+        why the leg failed."""
+        upstream = self.current
+        self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
+        restored: int | None = None  # a migration's slot on `upstream` that holds the answer
+        try:
+            if not self.handoffs:
+                body = self.raw_body
+                if upstream != self.primary:
+                    body = unpinned(self.body, body)
+                path, rewriter = self.path, None
+            else:
+                try:
+                    restored = await self._carry_state(upstream)
+                    handoff = self.handoffs[-1]
+                    request = await self._next.request(upstream, handoff, restored is not None)
+                except Exception as exc:  # one answer's odd shape must not end it unexplained
+                    log.exception("cannot build the continuation for %s", upstream.url)
+                    request = f"cannot build a continuation for {upstream.url}: {exc!r}"
+                self._note(client)
+                if isinstance(request, str):
+                    return request
+                path, body, rewriter = request
+            return await self._stream_leg(client, upstream, path, body, rewriter)
+        finally:
+            if restored is not None and self._migrator is not None:
+                # Kept from other migrations until its continuation has been answered.
+                self._migrator.release(upstream.url, restored)
+
+    async def _carry_state(self, upstream: Upstream) -> int | None:
+        """Before a continuation on `upstream`: let a shadow prefill in flight there end;
+        where none holds the answer, move its KV state there when a migration should
+        (the slot it is in)."""
+        if self._settle is not None and await self._settle(upstream):
+            return None  # the shadow's slot holds almost all of it
+        if self._migrator is None or self._servers is None:
+            return None
+        return await self._migrator.for_handoff(
+            self._next, self._servers, upstream, self.handoffs[-1]
+        )
+
+    async def _stream_leg(
+        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
+        rewriter: Rewriter | None,
+    ) -> str | None:  # fmt: skip
+        headers = self._credentials.leg_headers(
+            upstream.url, self.headers, upstream == self.primary, self._accepted
+        )
+        exchange = Exchange(
+            upstream.url, "POST", path, redacted(sent_headers(upstream, body, headers)), body,
+            purpose="leg", leg=len(self.handoffs),
+        )  # fmt: skip
+        try:
+            failure = await self._exchange(
+                client, upstream, path, body, headers, rewriter, exchange
+            )
+        except asyncio.CancelledError:
+            exchange.end("handed off" if self._pending is not None else "cancelled")
+            raise
+        else:
+            exchange.end("complete" if failure is None else "failed", failure)
+        finally:
+            if self._on_exchange is not None:
+                self._on_exchange(exchange)
+        return failure
+
+    async def _exchange(
+        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
+        headers: list[Header], rewriter: Rewriter | None, exchange: Exchange,
+    ) -> str | None:  # fmt: skip
+        try:
+            response = await post(upstream, path, body, headers)
+        except UpstreamError as exc:
+            self._on_down(upstream, str(exc))
+            return str(exc)
+        exchange.respond(response.status, response.headers)
+        if self._pace is not None:
+            self._pace.saw(time.monotonic())
+        if upstream == self.primary and 200 <= response.status < 300:
+            self._accepted = True
+        if self._on_exchange is not None:
+            response.tap = exchange.keep
+        try:
+            if response.status != 200:
+                if response.status in NOT_SERVED and upstream != self.primary:
+                    return f"{upstream.url} does not serve {path} (HTTP {response.status})"
+                bad_input = response.status < 500 and not client.started
+                if bad_input or not self.handoffs:
+                    said, head = await response.read_all(), list(response.headers)
+                    refusal = (response.status, head, said, response.reason)
+                    if bad_input:
+                        # The request itself was refused, by the first server or by one that
+                        # was asked it unchanged: the client gets the refusal as is.
+                        client.respond(*refusal)
+                        return None
+                    self._refusal = refusal  # for the client, if no other server can answer
+                return f"HTTP {response.status} from {upstream.url}"
+            if not self.streaming:
+                answer = await response.read_all()
+                notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
+                if self._route_note:
+                    notes.insert(0, (b"x-spillover-route", self._route_note.encode()))
+                client.respond(200, [*response.headers, *notes], answer, response.reason)
+                return None
+            if not client.started:
+                client.start(200, list(response.headers), response.reason)
+            if self._queued:
+                client.write(b"".join(self._queued))
+                self._queued.clear()
+            self.transcript.begin_leg(upstream.url)
+            strip = self._strip_pieces
+            reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
+            pump = Pump(
+                client, self.transcript, reader, self._pace,
+                flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
+            )  # fmt: skip
+            failure = await pump.run(response.body(), upstream.url)
+            if failure is not None and pump.closed:
+                self._on_down(upstream, "closed the stream mid-answer")
+            return failure
+        except UpstreamError as exc:
+            self._on_down(upstream, str(exc))
+            return str(exc)
+        finally:
+            response.close()
+
+    def _mark_finishing(self) -> None:
+        self._finishing = True
+
+    def _flush(self, client: ClientStream, out: list[bytes]) -> None:
+        if not out:
+            return
+        client.write(b"".join(out))
+        if self.handoffs and self.handoffs[-1].pause_ms is None:
+            handoff = self.handoffs[-1]
+            handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
+            self._on_handoff(handoff)

@@ -1,0 +1,1 @@
+"""The APIs' wire formats: framing, parsing, rewriting, continuing; what a client has."""

@@ -1,0 +1,120 @@
+"""Server-sent-event framing for OpenAI-style streams, with cheap byte-level checks.
+
+The first leg's events are forwarded untouched, so its hot path looks at whole blocks
+of bytes; JSON is parsed for the rare events that need it (errors, finish, anything
+unusual), for the legs whose chunks are rewritten, and lazily at a handoff.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from addon.formats.shape import loads
+
+DONE = b"data: [DONE]"
+TERMINATOR = b"\n\n"
+
+
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # no token chunk comes near; over it the stream is garbled
+
+
+class EventTooLarge(ValueError):
+    pass
+
+
+class EventSplitter:
+    """Cuts a byte stream at SSE event boundaries, in time linear in the bytes: an
+    unfinished event is kept as a list of pieces and only new bytes are searched."""
+
+    def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
+        self._pending: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._after_cr = False  # the last piece ended in CR: an LF next completes CRLF
+
+    def feed(self, data: bytes) -> bytes:
+        """Every complete event received so far, as one block (each event ends in a blank
+        line); the incomplete rest is kept for the next call. Raises EventTooLarge when
+        an unfinished event grows past the limit."""
+        if self._after_cr and data.startswith(b"\n"):
+            data = data[1:]
+        if b"\r" in data:
+            self._after_cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        else:
+            self._after_cr = False
+        end = data.rfind(TERMINATOR)
+        if end >= 0:
+            cut = end + 2
+        elif self._pending and data.startswith(b"\n") and self._pending[-1].endswith(b"\n"):
+            cut = 1  # the blank line straddles two reads
+        else:
+            if data:
+                self._pending.append(data)
+                self._size += len(data)
+                if self._size > self._limit:
+                    raise EventTooLarge(f"an event over {self._limit} bytes")
+            return b""
+        block = b"".join([*self._pending, data[:cut]]) if self._pending else data[:cut]
+        rest = data[cut:]
+        self._pending = [rest] if rest else []
+        self._size = len(rest)
+        if self._size > self._limit:
+            raise EventTooLarge(f"an event over {self._limit} bytes")
+        return block
+
+
+def events(block: bytes) -> list[bytes]:
+    """The events of a block, without their terminators."""
+    return [event for event in block.split(TERMINATOR) if event.strip(b"\n")]
+
+
+def only_plain_chunks(block: bytes) -> bool:
+    """True when every event in the block is an ordinary `data: {...}` chunk that neither
+    ends the answer, reports an error nor carries a piece of a tool call: such a block can
+    be forwarded unread. Anything
+    else (or anything that merely looks like it) goes through the event-by-event path."""
+    n = block.count(TERMINATOR)
+    return (
+        block.count(b"data: {") == n
+        and block.count(b"}\n\n") == n
+        and b'"error"' not in block
+        and b"[DONE]" not in block
+        and b'"finish_reason":"' not in block
+        and b'"finish_reason": "' not in block
+        and b'"usage"' not in block
+        and b'"tool_calls"' not in block
+    )
+
+
+def is_comment(event: bytes) -> bool:
+    return all(line.startswith(b":") for line in event.split(b"\n"))
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The event's data payload (data lines joined), or None for comment-only events."""
+    lines = [line for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[6:] if line[5:6] == b" " else line[5:] for line in lines)
+
+
+def parse(event: bytes) -> Any:
+    """The event's JSON payload; None for comments and [DONE]; raises ValueError if garbled."""
+    payload = data_of(event)
+    if payload is None or payload.strip() == b"[DONE]":
+        return None
+    return loads(payload)
+
+
+def is_done(event: bytes) -> bool:
+    return event == DONE or (data_of(event) or b"").strip() == b"[DONE]"
+
+
+def encode(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def comment(text: str) -> bytes:
+    return b"\n".join(b": " + line.encode() for line in text.splitlines()) or b":"

@@ -1,0 +1,150 @@
+"""What the client has received: the answer's text and reasoning, the token ids behind
+them, each leg's usage, and what each wire format keeps about the stream the client reads.
+Every later leg is asked to go on from here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Piece = tuple[int, bytes]  # a token id and the bytes of its text
+
+
+@dataclass
+class LegUsage:
+    server: str
+    model: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class Transcript:
+    role_sent: bool = False
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # reasoning_content deltas
+    produced: int = 0  # deltas delivered; llama-server sends one per token
+    id: str | None = None
+    created: int | None = None
+    legs: list[LegUsage] = field(default_factory=list)
+    other_parts: set[str] = field(default_factory=set)  # what cannot be replayed: tool calls
+    # Each leg's prompt reading as its server timed it: (server, tokens read, ms).
+    reads: list[tuple[str, int, float]] = field(default_factory=list)
+    # The token ids behind the delivered text, while every leg has reported them.
+    ids: list[int] | None = field(default_factory=list)
+    id_bytes: bytearray = field(default_factory=bytearray)
+    # What a wire format keeps about the stream the client reads (open blocks, item ids).
+    wire: dict[str, Any] = field(default_factory=dict)
+    _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning)
+
+    def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
+        """Account for a block of events forwarded unread; `settle()` has `read` read it."""
+        self._unread.append((block, read))
+
+    def settle(self) -> None:
+        for block, read in self._unread:
+            read(block)
+        self._unread.clear()
+
+    def timed(self, chunk: dict[str, Any]) -> None:
+        """A leg's last chunk: how long its server took to read the prompt, if it says."""
+        timings = chunk.get("timings")
+        if isinstance(timings, dict) and self.legs:
+            read, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+            if isinstance(read, int) and isinstance(ms, int | float):
+                self.reads.append((self.legs[-1].server, read, float(ms)))
+
+    def begin_leg(self, server: str) -> None:
+        self.legs.append(LegUsage(server))
+
+    def exact_ids(self) -> list[int] | None:
+        """The ids of the delivered answer, when they are known and spell exactly the
+        delivered text (a token whose text a server held back fails this: fail closed)."""
+        if self.ids is None or bytes(self.id_bytes) != self.text.encode():
+            return None
+        return self.ids
+
+    def add(self, text: str | None, thought: str | None = None) -> None:
+        """Account for one delta of answer text or reasoning the client has received
+        (servers here send one per token)."""
+        leg = self.legs[-1]
+        if text and self.reasoning and not self.content:
+            # The tag that closed the reasoning was a token too, with no delta of its own.
+            self.produced += 1
+            leg.completion_tokens += 1
+        if text:
+            self.content.append(text)
+        if thought:
+            self.reasoning.append(thought)
+        if text or thought:
+            self.produced += 1
+            leg.completion_tokens += 1
+
+    def whole_answer_tokens(self, last_leg: Any) -> int:
+        """The whole answer's tokens, the last leg's as its server counted them."""
+        self.legs[-1].completion_tokens = int(last_leg or 0)
+        return sum(leg.completion_tokens for leg in self.legs)
+
+    def record(self, chunk: dict[str, Any], pieces: list[Piece] | None = None) -> None:
+        """Account for a chat chunk that has been written to the client; `pieces` are the
+        ids behind it (taken from its logprobs when not given)."""
+        if self.id is None:
+            self.id = chunk.get("id")
+            self.created = chunk.get("created")
+        leg = self.legs[-1]
+        leg.model = chunk.get("model", leg.model)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                self.role_sent = True
+            self.add(delta.get("content") or choice.get("text"), delta.get("reasoning_content"))
+            if delta.get("tool_calls"):
+                self.other_parts.add("tool_calls")
+        self._record_ids(chunk, pieces)
+
+    def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None) -> None:
+        if self.ids is None:
+            return
+        if pieces is None:
+            pieces = take_pieces(chunk, strip=False)
+        if pieces is None:
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    self.ids = None  # text without ids: it can only be replayed as text
+            return
+        for token, data in pieces:
+            self.ids.append(token)
+            self.id_bytes += data
+
+
+def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
+    """The token pieces a chat chunk carries in its logprobs (None when it carries none);
+    with `strip`, the logprobs are removed from the chunk."""
+    pieces: list[Piece | None] | None = None
+    for choice in chunk.get("choices") or ():
+        logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
+    known = [piece for piece in pieces or () if piece is not None]
+    if pieces is None or len(known) != len(pieces):
+        return None  # none, or in a form without ids: the text is what can be replayed
+    return known
+
+
+def _piece(entry: Any) -> Piece | None:
+    if not isinstance(entry, dict) or not isinstance(token := entry.get("id"), int):
+        return None
+    try:
+        return token, bytes(entry["bytes"])
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,1 @@
+"""How an answer goes on elsewhere: the next leg, exact replay, shadows, migration, records."""

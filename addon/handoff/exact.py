@@ -1,0 +1,161 @@
+"""Token-exact replay: continue an answer from the very token ids already produced.
+
+Replaying delivered text makes the next server tokenize it again, and a model's own
+output is not always what its tokenizer would make of the same text, so the boundary
+can drift. When the servers share a tokenizer (checked at start-up, see `servers.py`),
+the first leg asks its server for each token's id (logprobs, stripped again before the
+client sees them unless it asked for logprobs itself), and a continuation goes to the
+next server's native `/completion` as its rendered chat prompt followed by those ids.
+Its native events are turned back into chat chunks here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from addon.formats.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
+from addon.formats.shape import constraint_of, positive_int
+from addon.servers.upstream import Upstream
+
+if TYPE_CHECKING:
+    from addon.servers.directory import ServerDirectory
+
+# Chat request fields that have no meaning for a native /completion of a rendered prompt.
+CHAT_ONLY = (
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
+    "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "n",
+    "reasoning_format", "add_generation_prompt", *TOKEN_LIMIT_FIELDS,
+)  # fmt: skip
+
+
+def eligible(path: str, body: dict[str, Any]) -> bool:
+    """A chat request whose answer is plain text the server renders from a template:
+    no tools, no client prefill, no output constraint."""
+    if not path.split("?")[0].endswith("/chat/completions") or body.get("stream") is not True:
+        return False
+    messages = body.get("messages")
+    if not messages or not isinstance(messages[-1], dict):
+        return False
+    if messages[-1].get("role") == "assistant":
+        return False
+    return not body.get("tools") and constraint_of(body) is None
+
+
+def client_wants_logprobs(body: dict[str, Any]) -> bool:
+    """Whether the client asked for token probabilities in any form the server takes:
+    `logprobs` true (chat) or a count (text completions), or llama.cpp's `n_probs`."""
+    logprobs = body.get("logprobs")
+    return (
+        logprobs is True
+        or positive_int(logprobs) is not None
+        or bool(positive_int(body.get("n_probs")))
+    )
+
+
+def may_ask_for_ids(body: dict[str, Any]) -> bool:
+    """Whether the request may be changed to ask for token ids without changing what the
+    server decides about it: the client set none of the probability fields, or only
+    turned them off (`logprobs: false`, a boolean `post_sampling_probs`). Any other value
+    is the client's, and the server's to accept or refuse."""
+    if "top_logprobs" in body or "n_probs" in body:
+        return False
+    if body.get("logprobs", False) is not False:
+        return False
+    return isinstance(body.get("post_sampling_probs", False), bool)
+
+
+def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """The request, also asking for the id of each token it streams (cheaply: only the
+    sampled token's probability after sampling)."""
+    return {**body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
+
+
+def first_leg_asks(
+    path: str,
+    body: dict[str, Any],
+    raw_body: bytes,
+    ladder: Sequence[Upstream],
+    servers: ServerDirectory | None,
+) -> tuple[bool, bool, bytes]:
+    """Whether the first leg asks for token ids (another server on the ladder shares its
+    tokenizer and could replay them), whether they are taken out again before the client
+    sees them (it did not ask for them itself), and the first leg's request body."""
+    wants = client_wants_logprobs(body)
+    asks = (
+        servers is not None
+        and eligible(path, body)
+        and (wants or may_ask_for_ids(body))
+        and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
+    )
+    strips = asks and not wants
+    return asks, strips, json.dumps(asking_for_ids(body)).encode() if strips else raw_body
+
+
+def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:
+    """A native /completion request that goes on from `prompt` (the rendered chat
+    prompt) and the answer's token ids, with the chat request's sampling settings."""
+    native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
+    native["prompt"] = [prompt, *ids]
+    native["stream"] = True
+    if (limit := token_limit(body)) is not None:
+        native["n_predict"] = max(1, limit - produced)
+    if client_wants_logprobs(body):
+        asked = positive_int(body.get("top_logprobs")) or positive_int(body.get("n_probs"))
+        native["n_probs"] = asked or 1
+        native["post_sampling_probs"] = bool(body.get("post_sampling_probs"))
+    else:
+        native["n_probs"] = 1
+        native["post_sampling_probs"] = True
+    return native
+
+
+class NativeToChat:
+    """Turns a native /completion stream's events into chat completion chunks (the
+    pieces ride along as logprobs, which the splice strips unless the client asked)."""
+
+    def __init__(self, model: str | None, include_usage: bool, replayed: int = 0) -> None:
+        """`replayed`: the answer's token ids the prompt ends with (not the client's)."""
+        self.model = model
+        self.include_usage = include_usage
+        self.replayed = replayed
+
+    def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
+        probs = event.get("completion_probabilities") or []
+        choice: dict[str, Any] = {"finish_reason": None, "index": 0, "delta": {}}
+        if content := event.get("content"):
+            choice["delta"]["content"] = content
+        if probs:
+            choice["logprobs"] = {"content": probs}
+        chunk: dict[str, Any] = {
+            "choices": [choice],
+            "model": event.get("model") or self.model,
+            "object": "chat.completion.chunk",
+        }
+        if event.get("stop") is True:
+            choice["finish_reason"] = "length" if event.get("stop_type") == "limit" else "stop"
+            if "timings" in event:
+                chunk["timings"] = event["timings"]  # as llama-server's own last chat chunk
+            if self.include_usage:
+                completion = int(event.get("tokens_predicted") or 0)
+                # The client's prompt: what the server read, less the answer replayed.
+                prompt = max(0, int(event.get("tokens_evaluated") or 0) - self.replayed)
+                chunk["usage"] = {
+                    "completion_tokens": completion,
+                    "prompt_tokens": prompt,
+                    "total_tokens": completion + prompt,
+                }
+        return chunk
+
+
+class NativeRewriter:
+    """A native /completion leg's events as chunks of the client's chat stream."""
+
+    def __init__(self, chat: NativeToChat, rewriter: ChunkRewriter) -> None:
+        self._chat = chat
+        self._rewriter = rewriter
+
+    def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        return self._rewriter.rewrite(self._chat.chunk(event))

@@ -1,0 +1,171 @@
+"""How the next server on the ladder is asked to go on with an answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from addon.formats.continuation import ChunkRewriter
+from addon.formats.dialect import Dialect, Rewriter
+from addon.formats.shape import mapping
+from addon.formats.transcript import Transcript
+from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
+from addon.handoff.record import Handoff, seeded_sampling
+from addon.servers.directory import ServerDirectory
+from addon.servers.upstream import Upstream
+
+
+def unpinned(body: dict[str, Any], raw_body: bytes) -> bytes:
+    """The client's body for a server other than the primary: without `id_slot` (the
+    client named one of the primary's slots; elsewhere that slot may be running another
+    answer, which a pinned request would change: see shadow.py)."""
+    if "id_slot" not in body:
+        return raw_body
+    moved = json.loads(raw_body)
+    moved.pop("id_slot", None)
+    return json.dumps(moved).encode()
+
+
+class NextLeg:
+    """Builds continuation requests for one answer: from its token ids when the next
+    server reads them the same way, else from its text; only for a server it fits on."""
+
+    def __init__(
+        self,
+        path: str,
+        dialect: Dialect,
+        body: dict[str, Any],
+        transcript: Transcript,
+        primary: Upstream,
+        servers: ServerDirectory | None,
+        asks_ids: bool,
+    ) -> None:
+        self.path = path
+        self.dialect = dialect
+        self.body = body
+        self.transcript = transcript
+        self.primary = primary
+        self._servers = servers
+        self.asks_ids = asks_ids
+        self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
+
+    async def request(
+        self, upstream: Upstream, handoff: Handoff, restored: bool = False
+    ) -> tuple[str, bytes, Rewriter] | str:
+        """The request that continues the answer on `upstream` (path, body and how to
+        rewrite its chunks), or why it cannot take it. `restored`: a slot of the server
+        holds most of it (a migration's); the request names no slot, and the server's
+        own choice among idle slots finds it (see shadow.py)."""
+        path, body, rewriter, handoff.replay = await self.continuation(upstream)
+        if handoff.replay and seeded_sampling(self.body):
+            handoff.caveat = "the sampling seed starts over on the new server"
+        if (no_room := await self._no_room(upstream, body)) is not None:
+            return no_room
+        if restored:
+            body["cache_prompt"] = True
+        return path, json.dumps(body).encode(), rewriter
+
+    async def continuation(
+        self, upstream: Upstream
+    ) -> tuple[str, dict[str, Any], Rewriter, str | None]:
+        """(path, body, chunk rewriter, how it replays) of the continuation as the answer
+        stands: from its token ids when `upstream` reads them the same way, else its text."""
+        native = await self._exact(upstream)
+        if native is not None:
+            body, rewriter = native
+            path, replay = "/completion", "token ids"
+        else:
+            body = self.dialect.continuation(self.body, self.transcript)
+            info = self._servers.get(upstream) if self._servers else None
+            rewriter = self.dialect.rewriter(
+                self.transcript, body, info.echoes_prefill if info else None
+            )
+            delivered = self.transcript.content or self.transcript.reasoning
+            path, replay = self.dialect.leg_path(self.path, body), "text" if delivered else None
+        body.pop("id_slot", None)  # the client's, one of the primary's (see `unpinned`)
+        return path, body, rewriter, replay
+
+    async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
+        """The prompt as `upstream` renders it and the delivered token ids, when a
+        continuation there can go on from the ids: they are known and `upstream` reads
+        them as the first server meant them."""
+        servers = self._servers
+        if not self.asks_ids or servers is None or not self.transcript.content:
+            return None
+        if self.transcript.reasoning:
+            return None  # a native completion would not split reasoning from content
+        if not servers.same_tokenizer(self.primary, upstream):
+            return None
+        if (ids := self.transcript.exact_ids()) is None:
+            return None
+        if (prompt := await self._rendered(upstream)) is None:
+            return None
+        return prompt, ids
+
+    async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
+        """A native request that goes on from the delivered token ids (see `_exact_start`)."""
+        if (start := await self._exact_start(upstream)) is None:
+            return None
+        servers = self._servers
+        assert servers is not None
+        prompt, ids = start
+        body = native_body(self.body, prompt, ids, self.transcript.produced)
+        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
+        chat = NativeToChat(servers.get(upstream).model, include_usage=usage, replayed=len(ids))
+        return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
+        """How many tokens the cut `source`'s cache holds for this answer (its rendering
+        of the prompt and the delivered tokens), when the continuation on `target` goes
+        on from the exact token ids; None otherwise."""
+        if self._servers is None or (start := await self._exact_start(target)) is None:
+            return None
+        _, ids = start
+        if (prompt := await self._rendered(source)) is None:
+            return None
+        count = await self._servers.count_tokens(source, prompt)
+        return None if count is None else count + len(ids)
+
+    async def _rendered(self, upstream: Upstream) -> str | None:
+        """The chat prompt as `upstream` renders it: asked once per server (the messages
+        do not change while the answer streams)."""
+        if upstream.url not in self._prompts:
+            assert self._servers is not None
+            prompt = await self._servers.render(upstream, self.body)
+            if prompt is None:
+                return None
+            self._prompts[upstream.url] = prompt
+        return self._prompts[upstream.url]
+
+    def fits_without_asking(self, upstream: Upstream) -> bool:
+        """Whether the rest of the answer surely fits on `upstream`, known without a
+        request (its slot size is unknown, or a bound from the text's size proves it)."""
+        if self._servers is None or not self.dialect.sizes_rooms:
+            return True
+        context = self._servers.get(upstream).slot_context
+        if context is None:
+            return True
+        bound = self.dialect.upper_bound(self.dialect.continuation(self.body, self.transcript))
+        return bound is not None and bound <= context
+
+    async def fits(self, upstream: Upstream) -> bool:
+        """Whether the rest of the answer, as it stands, fits on `upstream` (checked before
+        an asked-for handoff leaves a server that is still working)."""
+        body = self.dialect.continuation(self.body, self.transcript)
+        return await self._no_room(upstream, body) is None
+
+    async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """Why `upstream` cannot take this continuation whole, or None if it can (or
+        cannot tell: then it is tried, and a refusal moves on down the ladder)."""
+        if self._servers is None or not self.dialect.sizes_rooms:
+            return None
+        context = self._servers.get(upstream).slot_context
+        if context is None:
+            return None
+        bound = self.dialect.upper_bound(body)
+        needed = await self._servers.room_needed(upstream, body, context, bound)
+        if needed is None or needed <= context:
+            return None
+        return (
+            f"{upstream.url} has {context} tokens per slot, the rest of this answer needs {needed}"
+        )

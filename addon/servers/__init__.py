@@ -1,0 +1,1 @@
+"""What the addon knows of each server and how it asks: health, routes, slots, keys, HTTP."""

@@ -1,0 +1,276 @@
+"""What the addon knows about each upstream server, asked once through a shared client.
+
+- Whether it echoes an assistant prefill at the start of its answer (some llama-server
+  builds do): knowing keeps the splice from dropping real text that merely looks like it.
+- Its context per slot (`/props`), so a continuation goes only to a server it fits on.
+- Its tokenizer's fingerprint and its model's name, so token ids go only to a server
+  that reads them the same way (token-exact replay, `exact.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from addon.formats.continuation import token_limit
+from addon.formats.shape import mapping
+from addon.servers.credentials import Credentials, redacted
+from addon.servers.exchange import Exchange
+from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
+from addon.servers.upstream import Upstream
+
+log = logging.getLogger(__name__)
+QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
+MARKER = "Zq7 "
+REASK_SECONDS = 5.0
+# Text that exercises a tokenizer: words, digits, punctuation, accents, CJK, emoji and
+# the special tokens of common chat templates.
+TOKENIZER_PROBE = (
+    "The quick brown fox, 1234567 über naïve café; 東京 🙂 <|im_start|><|im_end|><s></s>"
+    "<|begin_of_text|><|eot_id|><start_of_turn><end_of_turn>\n\t  x"
+)
+
+
+# What a server's unanswered question turns off.
+NEEDED_FOR = {
+    "/props": "room checks (its context per slot is unknown)",
+    "/tokenize": "token-exact replay (its tokenizer is unknown)",
+    "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
+}
+
+
+@dataclass
+class ServerInfo:
+    echoes_prefill: bool | None = None
+    slot_context: int | None = None
+    tokenizer: str | None = None
+    model: str | None = None
+    # Questions it did not answer: {path: "why; what that turns off"}.
+    unanswered: dict[str, str] = field(default_factory=dict)
+    # It turned a question away for want of a key (HTTP 401 or 403): it judges clients.
+    wants_key: bool = False
+    # With spillover_slot_dir: what it computes (fingerprint.py), or why that is unknown.
+    fingerprint: Fingerprint | str | None = None
+
+    def as_status(self) -> dict[str, Any]:
+        status = dict(vars(self))
+        if isinstance(self.fingerprint, Fingerprint):
+            status["fingerprint"] = self.fingerprint.as_status()
+        return status
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
+
+    def __init__(self, record: Callable[[Exchange], None], limits: httpx.Limits) -> None:
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
+        self._record = record
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        exchange = Exchange(
+            f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
+            redacted(request.headers.raw), await request.aread(),
+            purpose="question",
+        )  # fmt: skip
+        try:
+            response = await self._inner.handle_async_request(request)
+            body = await response.aread()
+        except Exception as exc:
+            exchange.end("failed", repr(exc))
+            self._record(exchange)
+            raise
+        exchange.respond(response.status_code, list(response.headers.raw))
+        exchange.keep(body)
+        exchange.end("complete")
+        self._record(exchange)
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=body,
+            extensions=response.extensions,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
+    status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+    why = f"HTTP {status}" if status is not None else repr(exc)
+    info.wants_key = info.wants_key or status in (401, 403)
+    info.unanswered[path] = f"{why}; turns off {NEEDED_FOR[path]}"
+    log.info("no answer to %s: %s", path, info.unanswered[path])
+
+
+class ServerDirectory:
+    def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
+        self._on_exchange = on_exchange
+        self.credentials = Credentials()
+        self.info: dict[Upstream, ServerInfo] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._asked: dict[Upstream, float] = {}
+        # Where every server saves its slots (spillover_slot_dir): set, each server is
+        # fingerprinted too (one probe completion, not cached), for KV migration.
+        self.slot_dir: Path | None = None
+
+    def get(self, upstream: Upstream) -> ServerInfo:
+        return self.info.get(upstream) or ServerInfo()
+
+    def wanting_keys(self) -> frozenset[str]:
+        """The servers that turned a question away for want of a key."""
+        return frozenset(server.url for server, info in self.info.items() if info.wants_key)
+
+    def learn(self, upstreams: list[Upstream], fallbacks: bool = False) -> None:
+        """Ask each server not yet known, in the background (one that could not answer
+        is asked again, at most every few seconds). Only fallbacks are asked to generate
+        (the prefill probe): a primary is asked nothing that changes its state."""
+        now = time.monotonic()
+        for upstream in upstreams:
+            known = self.info.get(upstream)
+            fingerprinted = self.slot_dir is None or (known and known.fingerprint is not None)
+            if known is not None and known.slot_context is not None and fingerprinted:
+                continue
+            if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
+                continue
+            self._asked[upstream] = now
+            task = asyncio.ensure_future(self._probe(upstream, fallbacks))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # One client for all: making one costs tens of milliseconds (its TLS context).
+        # Few idle connections kept: one a server closed stays open here (a descriptor)
+        # until the client is used again, and a handoff's questions come in a burst.
+        if self._client is None:
+            transport = RecordingTransport(self._on_exchange, limits=QUESTION_POOL)
+            self._client = httpx.AsyncClient(timeout=5, transport=transport)
+        return self._client
+
+    async def _ask(self, upstream: Upstream, path: str, body: Any = None) -> Any:
+        """A question's JSON answer, asked with the server's own key; raises httpx.HTTPError
+        (a refusal such as 401 included) or ValueError."""
+        headers = self.credentials.question_headers(upstream.url)
+        url = f"{upstream.url}{path}"
+        if body is None:
+            response = await self.client.get(url, headers=headers)
+        else:
+            response = await self.client.post(url, json=body, headers=headers)
+        return response.raise_for_status().json()
+
+    async def _probe(self, upstream: Upstream, generate: bool) -> None:
+        info = ServerInfo()
+        try:
+            props = await self._ask(upstream, "/props")
+            info.slot_context = int(props["default_generation_settings"]["n_ctx"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            _unanswered(info, "/props", exc)
+        try:
+            info.model, info.tokenizer = await self._tokenizer(upstream)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            _unanswered(info, "/tokenize", exc)
+        if generate:
+            try:
+                info.echoes_prefill = await self._echoes(upstream)
+            except (httpx.HTTPError, ValueError) as exc:
+                _unanswered(info, "/v1/chat/completions", exc)
+        if self.slot_dir is not None:
+            info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
+        self.info[upstream] = info
+
+    async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
+        def ask(path: str, body: Any) -> Any:
+            return self._ask(upstream, path, body)
+
+        return await fingerprint_for_migration(ask, slot_dir)
+
+    async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
+        """How many tokens the server makes of `text` as a prompt."""
+        try:
+            answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
+            return len(answer["tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
+        mine = self.get(a).tokenizer
+        return mine is not None and mine == self.get(b).tokenizer
+
+    async def _tokenizer(self, upstream: Upstream) -> tuple[str | None, str | None]:
+        """The model's name and a fingerprint of its tokenizer: its vocabulary's kind
+        and size and the ids it makes of a probe text."""
+        model = (await self._ask(upstream, "/v1/models"))["data"][0]
+        meta = model.get("meta") or {}
+        ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
+        if "n_vocab" not in meta:
+            return model.get("id"), None
+        fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
+        return model.get("id"), hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+    async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """The chat request's prompt as this server's template renders it."""
+        request = {"messages": body.get("messages")}
+        if kwargs := mapping(body.get("chat_template_kwargs")):
+            request["chat_template_kwargs"] = kwargs
+        try:
+            prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return prompt if isinstance(prompt, str) else None
+
+    async def _echoes(self, upstream: Upstream) -> bool:
+        body = {
+            "messages": [
+                {"role": "user", "content": "Continue."},
+                {"role": "assistant", "content": MARKER},
+            ],
+            "max_tokens": 1,
+            "temperature": 0,
+            "cache_prompt": False,  # nothing of it stays in the server's prompt cache
+        }
+        reply = await self._ask(upstream, "/v1/chat/completions", body)
+        try:
+            text = reply["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
+        return str(text).startswith(MARKER)
+
+    async def room_needed(
+        self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
+    ) -> int | None:
+        """Tokens the request takes on this server: its rendered prompt plus the tokens it
+        may still write; None when the server cannot tell. When `bound` (from its size)
+        says it fits in `room`, the server is not asked (asking costs two round trips in
+        the pause)."""
+        if bound is not None and bound <= room:
+            return bound
+        prompt = body.get("prompt")
+        if prompt is None and (prompt := await self.render(upstream, body)) is None:
+            return None
+        count = 0
+        for part in prompt if isinstance(prompt, list) else [prompt]:
+            if isinstance(part, int):
+                count += 1
+                continue
+            try:
+                tokens = await self._ask(upstream, "/tokenize", {"content": part})
+                count += len(tokens["tokens"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+        return count + (token_limit(body) or 0)

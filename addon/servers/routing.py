@@ -1,0 +1,115 @@
+"""Where a new request starts: each server's state, from what the addon measures.
+
+- ok;
+- pressured: a card it uses is over a line, or fired and has not yet been clear for the
+  dwell time (the memory watcher says so);
+- down: it refused a connection, died mid-answer or stalled, or its `GET /health` (asked
+  every second) failed; back as soon as /health answers;
+- draining: a person asked (`spillover.drain`); it gets no new request.
+
+A new request starts on the first server of its ladder that is ok, else on the first
+that is up (pressured beats down: it may yet survive). Drop fast, climb slow: the
+primary gets new requests again only once its card has stayed clear for the dwell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from addon.servers.upstream import Upstream
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Down:
+    why: str
+    since: float
+
+
+class Router:
+    def __init__(self) -> None:
+        # Why a server's cards are not fit for new work (the memory watcher), or None.
+        self.pressure: Callable[[str], str | None] = lambda _: None
+        self.down: dict[str, Down] = {}
+        self.draining: set[str] = set()
+        self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
+        self.seconds_in: dict[tuple[str, str], float] = {}  # (server, state): time spent
+
+    def state(self, url: str) -> tuple[str, str | None]:
+        """(ok | pressured | down | draining, why)."""
+        if url in self.draining:
+            return "draining", "drained by request"
+        if (down := self.down.get(url)) is not None:
+            return "down", down.why
+        if (why := self.pressure(url)) is not None:
+            return "pressured", why
+        return "ok", None
+
+    def plan(
+        self, ladder: list[Upstream], may_start: Callable[[Upstream], bool]
+    ) -> tuple[list[Upstream], str | None]:
+        """The ladder a new request uses, starting where it should, and why it does not
+        start on the primary (None when it does). Servers passed over stay on the ladder
+        after it, in their order: an answer can still end up there."""
+        states = [self.state(u.url) if may_start(u) else ("closed", None) for u in ladder]
+        ok = [i for i, (state, _) in enumerate(states) if state == "ok"]
+        pressured = [i for i, (state, _) in enumerate(states) if state == "pressured"]
+        start = next(iter(ok + pressured), 0)  # nothing up: the primary, as without the addon
+        if not start:
+            return ladder, None
+        state, why = states[0]
+        self.reroutes[state] = self.reroutes.get(state, 0) + 1
+        note = f"started on {ladder[start].url}: {ladder[0].url} is {state} ({why})"
+        return [ladder[start], *ladder[:start], *ladder[start + 1 :]], note
+
+    def mark_down(self, url: str, why: str) -> None:
+        if url not in self.down:
+            log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
+            self.down[url] = Down(why, time.monotonic())
+
+    async def watch_health(self, urls: Callable[[], list[str]], every_s: float) -> None:
+        """Ask every server's /health every `every_s`: a server that does not answer, or
+        answers 5xx (llama-server does while it loads), is down until it answers 200.
+        Its own client: these checks are not questions worth a flow each in recordings."""
+        last = time.monotonic()
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+            while True:
+                servers = urls()
+                await asyncio.gather(*(self._check(url, client) for url in servers))
+                now = time.monotonic()
+                for url in servers:
+                    key = (url, self.state(url)[0])
+                    self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
+                last = now
+                await asyncio.sleep(every_s)
+
+    async def _check(self, url: str, client: httpx.AsyncClient) -> None:
+        try:
+            status = (await client.get(f"{url}/health")).status_code
+        except httpx.HTTPError as exc:
+            self.mark_down(url, f"/health: {type(exc).__name__}")
+            return
+        if status >= 500:
+            self.mark_down(url, f"/health: HTTP {status}")
+        elif url in self.down:
+            log.info("%s answers again", url)
+            del self.down[url]
+
+    def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        states: dict[str, dict[str, Any]] = {}
+        for url in urls:
+            state, why = self.state(url)
+            states[url] = {"state": state, "why": why}
+            if (down := self.down.get(url)) is not None:
+                states[url]["for_s"] = round(now - down.since, 1)
+        return states

@@ -1,0 +1,1 @@
+"""What people and mitmproxy see: hooks, commands, control routes, status, metrics, views."""

@@ -1,0 +1,198 @@
+"""The MemoryWatch addon: runs the memory monitor and turns pressure into handoffs.
+
+Only streams whose current server uses the card under pressure are handed off
+(`watchers.gates`). If the monitor cannot start or dies, traffic flows as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from mitmproxy import ctx, exceptions
+
+from addon.handoff.record import Sensed
+from addon.surface.proxy import Spillover
+from watchers.gates import CardMap, parse_card_map
+from watchers.hotplug import HotplugEvents, UdevObserver
+from watchers.monitor import MemoryMonitor
+from watchers.pressure import Crossing, Lines
+from watchers.reading import NotApplicable, Source
+from watchers.sources import ALL, card_map, open_sources
+
+log = logging.getLogger(__name__)
+WATCH_OPTIONS = {
+    "spillover_watch", "spillover_sources", "spillover_sysfs_root", "spillover_proc_root",
+    "spillover_interval_ms", "spillover_free_floor_mib", "spillover_step_mib",
+    "spillover_rearm_mib", "spillover_cards",
+}  # fmt: skip
+
+
+class MemoryWatch:
+    def __init__(self, spillover: Spillover) -> None:
+        self.spillover = spillover
+        self.monitor: MemoryMonitor | None = None
+        self.card_map: CardMap | None = None
+        self.missing: dict[str, str] = {}
+        self.hotplug: HotplugEvents | None = None
+        self.sources: list[Source] = []
+        self._udev: UdevObserver | None = None
+        self._running = False
+
+    def load(self, loader) -> None:
+        add = loader.add_option
+        add("spillover_watch", bool, True, "Watch GPU and system memory and hand off on pressure.")
+        add("spillover_sources", str, ",".join(ALL), "Memory sources to use, comma-separated.")
+        add("spillover_sysfs_root", str, "/sys", "Where sysfs is (a test tree elsewhere).")
+        add("spillover_proc_root", str, "/proc", "Where procfs is (meminfo, fdinfo, sockets).")
+        add(
+            "spillover_interval_ms", int, 20,
+            "Sampling interval while a card is near its lines (ten times this when all are far).",
+        )  # fmt: skip
+        add(
+            "spillover_free_floor_mib", int, 0,
+            "Hand off when a card has this little free (0: 3 percent of it, 512 MiB to 2 GiB).",
+        )  # fmt: skip
+        add(
+            "spillover_step_mib", int, 1024,
+            "Hand off on a jump in use this big within 250 ms that leaves at most the floor "
+            "plus twice the jump free.",
+        )  # fmt: skip
+        add(
+            "spillover_rearm_mib", int, 1024,
+            "A card that fired is clear again once it has this much more than its floor free.",
+        )  # fmt: skip
+        add(
+            "spillover_dwell_s", int, 30,
+            "New requests return to a server only once its cards have been clear this long.",
+        )  # fmt: skip
+        add(
+            "spillover_shadow_warn_mib", int, 4096,
+            "With spillover_shadow=near: shadow an answer while a sudden allocation of this "
+            "much or less would cross a line of its server's card.",
+        )  # fmt: skip
+        add(
+            "spillover_cards", str, "",
+            "Which cards each server uses, e.g. http://127.0.0.1:8081=nvml:0+nvml:1 "
+            "(default: found from the server's process; needed for remote servers).",
+        )  # fmt: skip
+
+    def configure(self, updated: set[str]) -> None:
+        if "spillover_cards" in updated:
+            try:
+                parse_card_map(ctx.options.spillover_cards)
+            except ValueError as exc:
+                raise exceptions.OptionsError(str(exc)) from None
+        if self._running and updated & WATCH_OPTIONS:
+            self._stop()
+            self._start()
+
+    def running(self) -> None:
+        self._running = True
+        self._start()
+
+    def done(self) -> None:
+        self._running = False
+        self._stop()
+
+    def _start(self) -> None:
+        options = ctx.options
+        if not options.spillover_watch:
+            return
+        names = [n.strip() for n in options.spillover_sources.split(",") if n.strip()]
+        sources, self.missing = open_sources(
+            names, Path(options.spillover_sysfs_root), Path(options.spillover_proc_root)
+        )
+        self.sources = sources
+        for name, why in self.missing.items():
+            log.info("memory source %s not used: %s", name, why)
+        self.card_map = card_map(
+            parse_card_map(options.spillover_cards),
+            sources,
+            Path(options.spillover_proc_root),
+            Path(options.spillover_sysfs_root),
+        )
+        lines = Lines(
+            free_floor_mib=options.spillover_free_floor_mib,
+            step_mib=options.spillover_step_mib,
+            rearm_mib=options.spillover_rearm_mib,
+        )
+        self.monitor = MemoryMonitor(
+            sources, self._on_pressure, lines, interval=options.spillover_interval_ms / 1000
+        )
+        self.hotplug = HotplugEvents(rescan=self.monitor.rescan, sample_now=self.monitor.wake)
+        try:
+            self._udev = UdevObserver(self.hotplug)
+            self._udev.start()
+        except NotApplicable as exc:
+            self.missing["udev"] = str(exc)
+        self.monitor.start()
+        self.spillover.status_parts["memory"] = self.status
+        self.spillover.router.pressure = self.pressure_of
+        self.spillover.shadows.near = self.near_of
+
+    def _stop(self) -> None:
+        if self._udev is not None:
+            self._udev.stop()
+            self._udev = None
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+    def servers(self) -> list[str]:
+        return self.spillover.server_urls()
+
+    def pressure_of(self, server: str) -> str | None:
+        """Why a server's cards are not fit for new work now, or None."""
+        if (watched := self._watched(server)) is None:
+            return None
+        monitor, cards = watched
+        return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
+
+    def near_of(self, server: str) -> bool:
+        """Whether a server's cards are near their lines (shadow prefill starts)."""
+        if (watched := self._watched(server)) is None:
+            return False
+        monitor, cards = watched
+        return monitor.near(cards, ctx.options.spillover_shadow_warn_mib)
+
+    def _watched(self, server: str) -> tuple[MemoryMonitor, set[str]] | None:
+        """The running monitor and the server's cards, or None while nothing is watched."""
+        monitor, card_map = self.monitor, self.card_map
+        if monitor is None or card_map is None:
+            return None
+        return monitor, card_map.cards_of(server)
+
+    def _on_pressure(self, crossing: Crossing) -> None:
+        """Runs on the monitor thread."""
+        assert self.card_map is not None
+        card = crossing.card
+        servers = self.card_map.servers_on(card, self.servers())
+        if servers:
+            self.spillover.request_handoff(
+                f"memory pressure on {card}: {crossing.line}",
+                servers,
+                Sensed(crossing.crossed, crossing.last_below),
+            )
+        else:
+            log.info("pressure on %s, which none of the servers uses: %s", card, crossing.line)
+
+    def status(self) -> dict:
+        monitor = self.monitor
+        state = monitor.status() if monitor else {"alive": False}
+        for source in self.sources:
+            for card, reserved in getattr(source, "reserved_mib", {}).items():
+                if card in state.get("cards", {}) and reserved >= 0:
+                    state["cards"][card]["reserved_mib"] = round(reserved, 1)
+        return {
+            **state,
+            "hotplug": {
+                "events": dict(self.hotplug.handled) if self.hotplug else {},
+                "from": self._udev.source if self._udev else self.missing.get("udev"),
+            },
+            "not_used": self.missing,
+            "servers": {
+                s: self.card_map.mapping_of(s).status() for s in self.servers()
+            } if self.card_map else {},
+        }  # fmt: skip

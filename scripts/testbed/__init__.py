@@ -1,0 +1,1 @@
+"""The test bed: real servers and mitmdump on free ports, tiny models, scripted upstreams."""

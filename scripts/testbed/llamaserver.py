@@ -1,0 +1,99 @@
+"""Real llama-server processes on free loopback ports (tests, demo, benchmarks), and the
+binary they run: the first candidate (`llamabin.candidates`) that runs on this CPU.
+
+    python -m scripts.testbed.llamaserver    # print the binary, building it if needed
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from scripts.testbed.llamabin import (
+    CACHE,
+    BinaryNotFound,
+    build_from_source,
+    candidates,
+    cpu_key,
+)
+from scripts.testbed.processes import ManagedProcess, ServerFailed, running
+from scripts.testbed.tinymodels import ensure_models
+
+__all__ = ["BinaryNotFound", "LlamaServer", "ServerFailed", "find_binary", "running"]
+
+
+class LlamaServer(ManagedProcess):
+    """One llama-server serving one model on the CPU."""
+
+    name = "llama-server"
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        binary: Path | None = None,
+        port: int | None = None,
+        ctx_size: int = 4096,
+        slots: int = 4,
+        threads: int = 1,
+        extra_args: Sequence[str] = (),
+        log_dir: Path | None = None,
+    ) -> None:
+        super().__init__(port, log_dir)
+        self.model = model
+        self.binary = binary
+        self.args = [
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--ctx-size", str(ctx_size), "--parallel", str(slots), "--threads", str(threads),
+            "--device", "none", "--n-gpu-layers", "0", "--metrics", *extra_args,
+        ]  # fmt: skip
+
+    def argv(self) -> list[str]:
+        if self.binary is None:
+            self.binary = find_binary()
+        return [str(self.binary), *self.args]
+
+
+def find_binary() -> Path:
+    for binary, needs_probe in candidates():
+        if not needs_probe or runs_here(binary):
+            return binary
+    raise BinaryNotFound(
+        "no llama-server that runs on this CPU: run scripts/setup.sh (it builds one), "
+        "or point LLAMA_SERVER at your own build"
+    )
+
+
+def runs_here(binary: Path) -> bool:
+    """Start the binary on a tiny model once; cache whether it came up healthy."""
+    stat = binary.stat()
+    key = hashlib.sha256(f"{binary.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    verdict_file = CACHE / "probes" / f"{key.hexdigest()[:16]}-{cpu_key()}"
+    if verdict_file.exists():
+        return verdict_file.read_text() == "ok"
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ensure_models(Path(tmp))["fallback"]
+        server = LlamaServer(model, binary=binary, ctx_size=256, slots=1)
+        try:
+            server.start()
+            ok = True
+        except ServerFailed:
+            ok = False
+        finally:
+            server.stop()
+    verdict_file.parent.mkdir(parents=True, exist_ok=True)
+    verdict_file.write_text("ok" if ok else "fails")
+    return ok
+
+
+def ensure_binary() -> Path:
+    try:
+        return find_binary()
+    except BinaryNotFound:
+        return build_from_source()
+
+
+if __name__ == "__main__":
+    print(ensure_binary())

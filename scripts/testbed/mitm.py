@@ -1,0 +1,81 @@
+"""A real mitmdump process running the spillover addon in front of a primary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.testbed.processes import ManagedProcess, ServerFailed
+
+REPO = Path(__file__).resolve().parents[2]
+ADDON = REPO / "addon" / "spillover.py"
+
+
+def watch_sysfs(sysfs: Path, cards: dict[str, str]) -> list[str]:
+    """Options that make the addon's watcher read a sysfs tree, with {server URL: card}."""
+    mapping = ",".join(f"{url}={card}" for url, card in cards.items())
+    return [
+        f"spillover_sysfs_root={sysfs}",
+        "spillover_sources=sysfs",
+        f"spillover_cards={mapping}",
+    ]
+
+
+class Mitmdump(ManagedProcess):
+    """`mitmdump` in reverse-proxy mode; with `addon=False`, plain mitmdump for comparison."""
+
+    name = "mitmdump"
+
+    def __init__(
+        self,
+        primary: str,
+        fallbacks: Sequence[str] = (),
+        *,
+        addon: bool = True,
+        options: Sequence[str] = (),
+        port: int | None = None,
+        log_dir: Path | None = None,
+        scripts: Sequence[Path] = (),
+    ) -> None:
+        """`scripts`: more addon scripts, loaded after the spillover addon."""
+        super().__init__(port, log_dir)
+        self.scripts = list(scripts)
+        self.primary = primary
+        self.fallbacks = list(fallbacks)
+        self.addon = addon
+        self.options = list(options)
+        # With the addon, its control route answers; plain mitmdump proxies /health.
+        self.health_path = "/spillover/status" if addon else "/health"
+
+    def servers_known(self, timeout: float = 10) -> dict[str, Any]:
+        """Wait until the addon has asked each of its servers about itself (it does so in
+        the background at start); returns what it learned, by server URL."""
+        urls = [self.primary, *self.fallbacks]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            servers = httpx.get(f"{self.url}/spillover/status").json()["servers"]
+            if all(url in servers for url in urls):
+                return servers
+            time.sleep(0.02)
+        raise ServerFailed(f"the addon never heard back from {urls}")
+
+    def argv(self) -> list[str]:
+        argv = [
+            str(Path(sys.executable).parent / "mitmdump"),
+            "--mode", f"reverse:{self.primary}@127.0.0.1:{self.port}",
+            "--set", "flow_detail=0",
+        ]  # fmt: skip
+        if self.addon:
+            argv += ["-s", str(ADDON), "--set", f"spillover_fallbacks={','.join(self.fallbacks)}"]
+        else:
+            argv += ["--set", "stream_large_bodies=1", "--set", "connection_strategy=lazy"]
+        for script in self.scripts:
+            argv += ["-s", str(script)]
+        for option in self.options:
+            argv += ["--set", option]
+        return argv

@@ -1,0 +1,124 @@
+"""A stand-in OpenAI-compatible server that streams llama-server-shaped chunks at a set rate,
+for benchmarks: a real llama-server on two cores cannot produce tokens fast enough to find
+the proxy's own limit. Each chunk carries its send time (perf_counter_ns, which is
+CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
+
+    python -m scripts.testbed.sse_source PORT
+    POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
+
+With "logprobs": true each chunk carries its token's id, as llama-server's do; with
+"big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
+It also
+answers the questions the addon asks a server at start (/props, /v1/models, /tokenize),
+and `GET /bench/requests` says how many streams it served and how many of them asked for
+token ids (so a benchmark can check that each of its rows takes the path it names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+BATCH = 64  # events per socket write when unpaced
+served = {"streams": 0, "with_ids": 0}
+
+
+ABOUT = {
+    "/props": {"default_generation_settings": {"n_ctx": 65536}},
+    "/v1/models": {"data": [{"id": "bench", "meta": {"vocab_type": 1, "n_vocab": 1000}}]},
+    "/tokenize": {"tokens": [1, 2, 3]},
+}
+
+
+def chunk(index: int, finish: str | None = None, ids: bool = False) -> bytes:
+    choice: dict = {
+        "finish_reason": finish,
+        "index": 0,
+        "delta": {} if finish else {"content": f" w{index % 1000}"},
+    }
+    if ids and not finish:
+        text = f" w{index % 1000}"
+        entry = {"id": index % 1000, "token": text, "bytes": list(text.encode()), "prob": 1.0}
+        choice["logprobs"] = {"content": [{**entry, "top_probs": [entry]}]}
+    payload = {
+        "choices": [choice],
+        "created": 1796000000,
+        "id": "chatcmpl-bench",
+        "model": "bench",
+        "object": "chat.completion.chunk",
+        "sent_ns": time.perf_counter_ns(),
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def framed(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def send_big_event(writer: asyncio.StreamWriter, mib: int) -> None:
+    """Nine ordinary events, then one of `mib` MiB, written a 64 KiB HTTP chunk at a time."""
+    writer.write(b"".join(framed(chunk(i)) for i in range(9)))
+    head, piece = b'data: {"choices":[{"index":0,"delta":{"content":"', b"x" * 65536
+    writer.write(framed(head))
+    for _ in range(mib * 16):
+        writer.write(framed(piece))
+        await writer.drain()
+    writer.write(framed(b'"},"finish_reason":null}],"object":"chat.completion.chunk"}\n\n'))
+
+
+async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = json.loads(await reader.readexactly(length) or b"{}")
+            path = head.split(b" ")[1].decode()
+            if path in ABOUT or head.startswith(b"GET"):
+                answer = json.dumps(served if path == "/bench/requests" else ABOUT.get(path, "ok"))
+                answer = answer.encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer)
+                )
+                continue
+            ids = body.get("logprobs") is True
+            served["streams"] += 1
+            served["with_ids"] += ids
+            count = int(body.get("max_tokens", 1000))
+            interval = float(body.get("interval_ms", 0)) / 1000
+            writer.write(HEAD)
+            if big := int(body.get("big_event_mib", 0)):
+                await send_big_event(writer, big)
+            if interval:
+                for i in range(count):
+                    writer.write(framed(chunk(i, ids=ids)))
+                    await writer.drain()
+                    await asyncio.sleep(interval)
+            else:
+                for start in range(0, count, BATCH):
+                    end = min(count, start + BATCH)
+                    # One HTTP chunk per event, as llama-server sends them.
+                    writer.write(b"".join(framed(chunk(i, ids=ids)) for i in range(start, end)))
+                    await writer.drain()
+            tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
+            writer.write(framed(tail) + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(port: int) -> None:
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1])))
