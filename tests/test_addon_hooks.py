@@ -30,7 +30,7 @@ def test_fallbacks_option_is_the_ladder() -> None:
     addon = Spillover()
     with taddons.context(addon) as tctx:
         tctx.configure(addon, spillover_fallbacks=" http://a:1/, ,http://b:2")
-        assert addon.fallbacks == [Upstream("http://a:1"), Upstream("http://b:2")]
+        assert addon.fleet.fallbacks == [Upstream("http://a:1"), Upstream("http://b:2")]
 
 
 def test_only_chat_completions_are_spliced() -> None:
@@ -237,12 +237,12 @@ def test_odd_control_bodies_are_answered_by_the_addon_and_never_forwarded(caplog
                 await addon.request(flow)
                 assert flow.response is not None and flow.response.status_code == status, route
                 assert "error" in json.loads(flow.response.content), route
-            assert addon.router.draining == set()
+            assert addon.fleet.router.draining == set()
             for drained in ("http://127.0.0.1:8082", "http://127.0.0.1:8082/"):
                 flow = chat_flow(json.dumps({"server": drained}).encode(), path="/spillover/drain")
                 await addon.request(flow)
                 assert flow.response.status_code == 200
-            assert addon.router.draining == {"http://127.0.0.1:8082"}
+            assert addon.fleet.router.draining == {"http://127.0.0.1:8082"}
 
     asyncio.run(run())
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]

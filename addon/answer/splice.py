@@ -12,21 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from addon.answer.fleet import Fleet, Route
 from addon.answer.ladder import Ladder
-from addon.answer.pace import Pace, PaceLimits
+from addon.answer.notes import Notes
+from addon.answer.pace import Pace
 from addon.answer.pump import Pump
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
-from addon.handoff.migration import Migrator
 from addon.handoff.nextleg import NextLeg, unpinned
 from addon.handoff.record import Handoff
-from addon.servers.credentials import Credentials, redacted
-from addon.servers.directory import ServerDirectory
+from addon.servers.credentials import redacted
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
 
@@ -44,28 +44,15 @@ class Splice:
         headers: Sequence[Header],
         body: dict[str, Any],
         raw_body: bytes,
-        ladder: Sequence[Upstream],
-        servers: ServerDirectory | None = None,
+        route: Route,
+        fleet: Fleet,
+        answer: str = "",
         on_handoff: Callable[[Handoff], None] = lambda _: None,
         on_exchange: Callable[[Exchange], None] | None = None,  # None: legs are not kept
-        exact: bool = True,
-        credentials: Credentials | None = None,
-        pace: PaceLimits | None = None,
-        primary: Upstream | None = None,
-        state_of: Callable[[str], str] = lambda _: "ok",
-        on_down: Callable[[Upstream, str], None] = lambda *_: None,
-        route_note: str | None = None,
-        settle: Callable[[Upstream], Awaitable[bool]] | None = None,
-        migrator: Migrator | None = None,
-        locked: frozenset[str] = frozenset(),
     ) -> None:
-        """`primary`: the server the client addressed (the ladder may start elsewhere);
-        `state_of`, `on_down`: the router's view of servers (see routing.py); `route_note`:
-        why the answer starts where it does, told to the client; `settle(server)`: once a
-        shadow prefill of the answer in flight there is done, whether one holds the answer
-        there (see shadow.py);
-        `migrator`: moves an answer's KV state to a server running the same model;
-        `locked`: servers that want a key the addon was not given (see credentials.py)."""
+        """The client's request (`path` to `body`, `raw_body` as sent), where it may go
+        (`route`), what it may ask of the servers (`fleet`), and its name there (`answer`,
+        the flow's id: its shadow's key)."""
         self.path = path
         self.dialect = dialect
         # post() sets these itself for each upstream.
@@ -76,45 +63,41 @@ class Splice:
         ]
         if asks_to_close(headers):
             self.headers.append((b"connection", b"close"))
-        self._credentials = credentials or Credentials()
+        self._fleet = fleet
+        self._answer = answer
         self._accepted = False  # the primary has answered: the client is one it lets in
         # The primary's own error response, if it refused before any byte went out.
         self._refusal: tuple[int, list[Header], bytes, bytes] | None = None
         self.body = body
-        self.ladder = list(ladder)
+        self.ladder = list(route.ladder)
+        servers = fleet.servers
         # Token-exact replay needs the first leg's token ids (see exact.py).
         self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
-            path, body, raw_body, self.ladder, servers if exact else None
+            path, body, raw_body, self.ladder, servers if fleet.exact else None
         )
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
-        self._noted = 0  # handoffs told to the client
         self.streaming = dialect.streaming(body)
         self._next = NextLeg(
             path, dialect, body, self.transcript, self.ladder[0], servers, self.asks_ids
         )
-        self._servers = servers
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
-        self.primary = primary or self.ladder[0]
+        self.primary = route.primary
         self._rungs = Ladder(
             self.ladder,
-            state_of,
-            lambda s: self._credentials.admits(s.url, self.primary.url, locked, self._accepted),
+            fleet.state,
+            lambda s: fleet.credentials.admits(
+                s.url, self.primary.url, route.locked, self._accepted
+            ),
         )
-        self._on_down = on_down
-        self._route_note = route_note
-        self._settle = settle
-        self._migrator = migrator
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
         self._finishing = False
         self._cancelled = False
-        self._queued: list[bytes] = []
-        if route_note and (note := dialect.note(f"spillover: {route_note}")):
-            self._queued.append(note)
-        self._limits = pace or PaceLimits()
+        self._notes = Notes(dialect, route.note)
+        self._limits = fleet.pace
         self._pace: Pace | None = None  # the current leg's
 
     @property
@@ -210,7 +193,7 @@ class Splice:
             self.handoff(reason, kind)
             return
         self._pace = None
-        self._on_down(self.current, why)
+        self._fleet.mark_down(self.current, why)
         self._cut(reason, kind, now, None)
 
     def cancel(self) -> None:
@@ -258,18 +241,8 @@ class Splice:
             kind=kind,
         )
         self.handoffs.append(handoff)
+        self._fleet.shadows.handed_off(self._answer)
         self._on_handoff(handoff)
-
-    def _note(self, client: ClientStream) -> None:
-        """Tell the client, in a comment line each, where and how the answer moved: every
-        handoff not told yet (a leg dropped before it began left its own untold)."""
-        untold = self.handoffs[self._noted :]
-        notes = [n for h in untold if (n := self.dialect.note(f"spillover: {h.describe()}"))]
-        self._noted = len(self.handoffs)
-        if client.started:
-            client.write(b"".join(notes))
-        else:
-            self._queued.extend(notes)
 
     def _give_up(self, client: ClientStream, failure: str) -> None:
         message = f"no server could continue this answer: {failure}"
@@ -300,33 +273,33 @@ class Splice:
                 except Exception as exc:  # one answer's odd shape must not end it unexplained
                     log.exception("cannot build the continuation for %s", upstream.url)
                     request = f"cannot build a continuation for {upstream.url}: {exc!r}"
-                self._note(client)
+                self._notes.tell(client, self.handoffs)
                 if isinstance(request, str):
                     return request
                 path, body, rewriter = request
             return await self._stream_leg(client, upstream, path, body, rewriter)
         finally:
-            if restored is not None and self._migrator is not None:
+            if restored is not None:
                 # Kept from other migrations until its continuation has been answered.
-                self._migrator.release(upstream.url, restored)
+                self._fleet.migrator.release(upstream.url, restored)
 
     async def _carry_state(self, upstream: Upstream) -> int | None:
         """Before a continuation on `upstream`: let a shadow prefill in flight there end;
         where none holds the answer, move its KV state there when a migration should
         (the slot it is in)."""
-        if self._settle is not None and await self._settle(upstream):
+        if await self._fleet.shadows.settled(self._answer, upstream):
             return None  # the shadow's slot holds almost all of it
-        if self._migrator is None or self._servers is None:
+        if (migrator := self._fleet.migrating) is None:
             return None
-        return await self._migrator.for_handoff(
-            self._next, self._servers, upstream, self.handoffs[-1]
+        return await migrator.for_handoff(
+            self._next, self._fleet.servers, upstream, self.handoffs[-1]
         )
 
     async def _stream_leg(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
         rewriter: Rewriter | None,
     ) -> str | None:  # fmt: skip
-        headers = self._credentials.leg_headers(
+        headers = self._fleet.credentials.leg_headers(
             upstream.url, self.headers, upstream == self.primary, self._accepted
         )
         exchange = Exchange(
@@ -354,7 +327,7 @@ class Splice:
         try:
             response = await post(upstream, path, body, headers)
         except UpstreamError as exc:
-            self._on_down(upstream, str(exc))
+            self._fleet.mark_down(upstream, str(exc))
             return str(exc)
         exchange.respond(response.status, response.headers)
         if self._pace is not None:
@@ -380,16 +353,12 @@ class Splice:
                 return f"HTTP {response.status} from {upstream.url}"
             if not self.streaming:
                 answer = await response.read_all()
-                notes = [(b"x-spillover-handoff", h.describe().encode()) for h in self.handoffs]
-                if self._route_note:
-                    notes.insert(0, (b"x-spillover-route", self._route_note.encode()))
+                notes = self._notes.headers(self.handoffs)
                 client.respond(200, [*response.headers, *notes], answer, response.reason)
                 return None
             if not client.started:
                 client.start(200, list(response.headers), response.reason)
-            if self._queued:
-                client.write(b"".join(self._queued))
-                self._queued.clear()
+            self._notes.release(client)
             self.transcript.begin_leg(upstream.url)
             strip = self._strip_pieces
             reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
@@ -399,10 +368,10 @@ class Splice:
             )  # fmt: skip
             failure = await pump.run(response.body(), upstream.url)
             if failure is not None and pump.closed:
-                self._on_down(upstream, "closed the stream mid-answer")
+                self._fleet.mark_down(upstream, "closed the stream mid-answer")
             return failure
         except UpstreamError as exc:
-            self._on_down(upstream, str(exc))
+            self._fleet.mark_down(upstream, str(exc))
             return str(exc)
         finally:
             response.close()

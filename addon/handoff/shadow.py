@@ -25,18 +25,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 
 from addon.formats.continuation import TOKEN_LIMIT_FIELDS
+from addon.formats.dialect import Dialect
 from addon.formats.transcript import Transcript
 from addon.handoff.nextleg import NextLeg
 from addon.servers.slots import idle_slots
 from addon.servers.upstream import Upstream
-
-if TYPE_CHECKING:
-    from addon.answer.splice import Splice
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01  # how soon a shadow sees new tokens
@@ -251,6 +249,23 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+class LiveAnswer(Protocol):
+    """What the shadows read of a live answer (a splice)."""
+
+    streaming: bool
+    body: dict[str, Any]
+    dialect: Dialect
+    transcript: Transcript
+
+    @property
+    def current(self) -> Upstream: ...
+
+    @property
+    def next_leg(self) -> NextLeg: ...
+
+    def next_server(self) -> Upstream | None: ...
+
+
 class Shadows:
     """Which live answers are shadowed: started and stopped as their cards come near
     their lines and go, as the proxy ticks it."""
@@ -270,7 +285,7 @@ class Shadows:
         shadow = self.by_answer.get(answer)
         return shadow is not None and await shadow.settled(server)
 
-    def tick(self, answer: str, splice: Splice, mode: str) -> None:
+    def tick(self, answer: str, splice: LiveAnswer, mode: str) -> None:
         shadow = self.by_answer.get(answer)
         wanted = (
             splice.streaming
@@ -291,7 +306,7 @@ class Shadows:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _start(self, answer: str, splice: Splice, target: Upstream) -> None:
+    async def _start(self, answer: str, splice: LiveAnswer, target: Upstream) -> None:
         try:
             if not await self.budget.take(target):
                 return

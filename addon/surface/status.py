@@ -3,20 +3,27 @@ other addons add (the memory watcher's cards)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from addon.surface.proxy import Spillover
+from addon.answer.fleet import Fleet
+from addon.answer.splice import Splice
 
 
-def assemble_status(spillover: Spillover) -> dict[str, Any]:
-    live = spillover.live
-    for answer in live.values():
-        answer.splice.transcript.settle()
-    router, urls = spillover.router, spillover.server_urls()
-    shadows = spillover.shadows.by_answer
+def assemble_status(
+    live: Mapping[str, Splice],
+    fleet: Fleet,
+    urls: Sequence[str],
+    recent_handoffs: Sequence[dict[str, Any]],
+    parts: Mapping[str, Callable[[], Any]],
+) -> dict[str, Any]:
+    """`live`: splices by flow; `urls`: every server of this proxy; `parts`: what
+    other addons add, by name."""
+    for splice in live.values():
+        splice.transcript.settle()
+    router, shadows = fleet.router, fleet.shadows.by_answer
     return {
-        "fallbacks": [u.url for u in spillover.fallbacks],
+        "fallbacks": [u.url for u in fleet.fallbacks],
         "routing": {
             "states": router.status(urls),
             "reroutes": dict(router.reroutes),
@@ -25,24 +32,23 @@ def assemble_status(spillover: Spillover) -> dict[str, Any]:
                 for (url, state), seconds in router.seconds_in.items()
             ],
             "live_per_server": {
-                url: sum(answer.splice.current.url == url for answer in live.values())
-                for url in urls
+                url: sum(splice.current.url == url for splice in live.values()) for url in urls
             },
         },
-        "servers": {u.url: i.as_status() for u, i in spillover.servers.info.items()},
+        "servers": {u.url: i.as_status() for u, i in fleet.servers.info.items()},
         "live": [
             {
                 "flow": flow_id,
-                "api": answer.splice.dialect.name,
-                "server": answer.splice.current.url,
-                "tokens": answer.splice.transcript.produced,
-                "handoffs": len(answer.splice.handoffs),
+                "api": splice.dialect.name,
+                "server": splice.current.url,
+                "tokens": splice.transcript.produced,
+                "handoffs": len(splice.handoffs),
                 "shadow": shadow.status() if (shadow := shadows.get(flow_id)) else None,
             }
-            for flow_id, answer in live.items()
+            for flow_id, splice in live.items()
         ],
-        "recent_handoffs": list(spillover.metrics.recent),
-        "shadows": spillover.shadows.budget.status(),
-        "migration": spillover.migrator.status(),
-        **{name: part() for name, part in spillover.status_parts.items()},
+        "recent_handoffs": list(recent_handoffs),
+        "shadows": fleet.shadows.budget.status(),
+        "migration": fleet.migrator.status(),
+        **{name: part() for name, part in parts.items()},
     }

@@ -129,8 +129,8 @@ class MemoryWatch:
             self.missing["udev"] = str(exc)
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
-        self.spillover.router.pressure = self.pressure_of
-        self.spillover.shadows.near = self.near_of
+        self.spillover.fleet.router.pressure = self.pressure_of
+        self.spillover.fleet.shadows.near = self.near_of
 
     def _stop(self) -> None:
         if self._udev is not None:
