@@ -43,3 +43,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 .venv/bin/python -m scripts.testbed.llamaserver >/dev/null
+# The other engine of the tests (built once, about 5 min).
+.venv/bin/python -m scripts.testbed.llamacpppython >/dev/null

@@ -123,6 +123,9 @@ def test_handoff_command_moves_a_live_stream() -> None:
         with taddons.context(addon, Proxyserver()) as tctx:
             tctx.configure(addon, spillover_fallbacks=fallback.url)
             await addon.running()
+            # As a proxy is by the time traffic flows: it knows the fallback continues.
+            while not addon.fleet.continues(Upstream(fallback.url)):
+                await asyncio.sleep(0.01)
             flow = chat_flow(STREAMING)
             flow.request.port = primary.port
             await addon.request(flow)

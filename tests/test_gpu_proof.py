@@ -16,8 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from scripts.gpu.hog import Plan, PressureSimulator, Simulator, plan_memory
-from scripts.gpu.proof import describe
-from scripts.gpu.setup import (
+from scripts.gpu.prepare import (
     PROJECT_MODULES,
     _unpack,
     build_argv,
@@ -27,6 +26,7 @@ from scripts.gpu.setup import (
     find_nvcc,
     parse_smi,
 )
+from scripts.gpu.proof import describe
 from scripts.gpu.stats import (
     RunResult,
     Summary,

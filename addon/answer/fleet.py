@@ -63,7 +63,9 @@ class Fleet:
     def route(self, primary: Upstream, bound: int | None) -> Route:
         """Where a new answer of at most `bound` tokens (None: unknown) may go, for a
         client that addressed `primary`."""
-        self.servers.learn([primary])  # known from start-up, unless it is not the proxy target
+        # Known from start-up, unless it is not the proxy target or was not up then.
+        self.servers.learn([primary])
+        self.servers.learn(self.fallbacks, fallbacks=True)
         locked = self.servers.wanting_keys()
 
         def may_start(server: Upstream) -> bool:
@@ -78,6 +80,17 @@ class Fleet:
 
     def state(self, url: str) -> str:
         return self.router.state(url)[0]
+
+    def continues(self, server: Upstream) -> bool:
+        """Whether `server` is proven to continue a partial assistant message."""
+        return self.servers.get(server).continues is True
+
+    def unproven(self, ladder: Sequence[Upstream], admits: Callable[[Upstream], bool]) -> str:
+        """Why servers of `ladder` that `admits` turns away for want of proof continue
+        nothing ("" when there are none), for the client's error."""
+        unproven = [s for s in ladder if not admits(s) and not self.continues(s)]
+        whys = [f"{s.url} ({self.servers.get(s).continues_why})" for s in unproven]
+        return f"; not proven to continue an answer: {', '.join(whys)}" if whys else ""
 
     def mark_down(self, server: Upstream, why: str) -> None:
         self.router.mark_down(server.url, why)

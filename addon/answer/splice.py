@@ -71,7 +71,7 @@ class Splice:
         self.body = body
         self.ladder = list(route.ladder)
         servers = fleet.servers
-        # Token-exact replay needs the first leg's token ids (see exact.py).
+        # Token-exact replay needs the first leg's token ids (see handoff/exact.py).
         self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
             path, body, raw_body, self.ladder, servers if fleet.exact else None
         )
@@ -84,13 +84,8 @@ class Splice:
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
         self.primary = route.primary
-        self._rungs = Ladder(
-            self.ladder,
-            fleet.state,
-            lambda s: fleet.credentials.admits(
-                s.url, self.primary.url, route.locked, self._accepted
-            ),
-        )
+        self._locked = route.locked
+        self._rungs = Ladder(self.ladder, fleet.state, self._admits)
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
@@ -99,6 +94,19 @@ class Splice:
         self._notes = Notes(dialect, route.note)
         self._limits = fleet.pace
         self._pace: Pace | None = None  # the current leg's
+
+    def _admits(self, server: Upstream) -> bool:
+        """Whether the answer may go on on `server` now: the client may be served there
+        (see servers/credentials.py), and once text has gone out as a turn to continue,
+        the server is proven to continue one (another would start a new answer)."""
+        fleet = self._fleet
+        if not fleet.credentials.admits(server.url, self.primary.url, self._locked, self._accepted):
+            return False
+        if not self.dialect.continues_a_turn(self.body):
+            return True
+        self.transcript.settle()
+        delivered = self.transcript.content or self.transcript.reasoning
+        return not delivered or fleet.continues(server)
 
     @property
     def current(self) -> Upstream:
@@ -224,7 +232,7 @@ class Splice:
                 self._give_up(client, f"{failure}; {why}")
                 return
             if target is None:
-                self._give_up(client, failure)
+                self._give_up(client, failure + self._fleet.unproven(self.ladder, self._admits))
                 return
             self._announce(failure, kind, decided, target)
 

@@ -159,6 +159,9 @@ class Chat:
         body = {"error": {"code": 502, "message": message, "type": "server_error"}}
         return JSON, json.dumps(body).encode()
 
+    def continues_a_turn(self, body: dict[str, Any]) -> bool:
+        return not isinstance(body.get("prompt"), str)  # a text completion just goes on
+
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         return cannot_continue(body, transcript)
 

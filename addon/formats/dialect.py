@@ -84,7 +84,7 @@ class Dialect(Protocol):
     # Whether a continuation's room on a server can be measured (a chat prompt the server
     # renders); elsewhere a server that has no room refuses, and the ladder moves on.
     sizes_rooms: bool
-    # Whether answers are shadowed (prefilled on the next server, see shadow.py): chat
+    # Whether answers are shadowed (prefilled on the next server, see handoff/shadow.py): chat
     # only. llama-server's Messages route drops `cache_prompt`; Responses and Ollama are
     # not shadowed yet.
     shadowed: bool
@@ -122,6 +122,11 @@ class Dialect(Protocol):
 
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         """Why no other server can honestly go on with this answer, or None."""
+        ...
+
+    def continues_a_turn(self, body: dict[str, Any]) -> bool:
+        """Whether a continuation sends the answer so far as a trailing assistant message,
+        which only a server proven to continue one may take (servers/proof.py)."""
         ...
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:

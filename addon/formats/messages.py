@@ -208,6 +208,9 @@ class Messages:
         body = {"type": "error", "error": {"type": "api_error", "message": message}}
         return JSON, json.dumps(body).encode()
 
+    def continues_a_turn(self, body: dict[str, Any]) -> bool:
+        return True
+
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a tool call, which cannot be continued elsewhere"

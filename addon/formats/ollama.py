@@ -202,6 +202,11 @@ class Ollama:
     def refusal(self, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
         return JSON, json.dumps({"error": message}).encode()
 
+    def continues_a_turn(self, body: dict[str, Any]) -> bool:
+        # Ollama continues a trailing assistant message (its documentation says so); its
+        # servers answer neither check of servers/proof.py, so they are not held to one.
+        return False
+
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a tool call, which cannot be continued elsewhere"

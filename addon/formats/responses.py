@@ -322,6 +322,9 @@ class Responses:
         body = {"error": {"code": 502, "message": message, "type": "server_error"}}
         return JSON, json.dumps(body).encode()
 
+    def continues_a_turn(self, body: dict[str, Any]) -> bool:
+        return True
+
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a function call, which cannot be continued elsewhere"

@@ -2,7 +2,7 @@
 
 Replaying delivered text makes the next server tokenize it again, and a model's own
 output is not always what its tokenizer would make of the same text, so the boundary
-can drift. When the servers share a tokenizer (checked at start-up, see `servers.py`),
+can drift. When the servers share a tokenizer (checked at start-up, see `servers/directory.py`),
 the first leg asks its server for each token's id (logprobs, stripped again before the
 client sees them unless it asked for logprobs itself), and a continuation goes to the
 next server's native `/completion` as its rendered chat prompt followed by those ids.

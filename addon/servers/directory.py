@@ -1,10 +1,13 @@
 """What the addon knows about each upstream server, asked once through a shared client.
 
+- Which engine it is and the models it serves (`engines.py`).
+- Whether it continues a partial assistant message, proven (`proof.py`): a server that
+  does not, or cannot be checked, is never asked to continue an answer that sent text.
 - Whether it echoes an assistant prefill at the start of its answer (some llama-server
   builds do): knowing keeps the splice from dropping real text that merely looks like it.
 - Its context per slot (`/props`), so a continuation goes only to a server it fits on.
 - Its tokenizer's fingerprint and its model's name, so token ids go only to a server
-  that reads them the same way (token-exact replay, `exact.py`).
+  that reads them the same way (token-exact replay, `handoff/exact.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import httpx
 
 from addon.formats.continuation import token_limit
 from addon.formats.shape import mapping
+from addon.servers import proof
 from addon.servers.credentials import Credentials, redacted
+from addon.servers.engines import identify, model_ids
 from addon.servers.exchange import Exchange
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
@@ -42,6 +47,7 @@ TOKENIZER_PROBE = (
 # What a server's unanswered question turns off.
 NEEDED_FOR = {
     "/props": "room checks (its context per slot is unknown)",
+    "/v1/models": "knowing its engine and model (it continues nothing)",
     "/tokenize": "token-exact replay (its tokenizer is unknown)",
     "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
 }
@@ -49,6 +55,13 @@ NEEDED_FOR = {
 
 @dataclass
 class ServerInfo:
+    engine: str | None = None
+    models: list[str] = field(default_factory=list)
+    # Whether it continues a partial assistant message (None: not known, so no), and how
+    # that is known (proof.py).
+    continues: bool | None = None
+    continues_why: str = "not checked yet"
+    settled: bool = False  # it answered; what is not known by now is not asked again
     echoes_prefill: bool | None = None
     slot_context: int | None = None
     tokenizer: str | None = None
@@ -118,6 +131,7 @@ class ServerDirectory:
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._asked: dict[Upstream, float] = {}
+        self._probing: set[Upstream] = set()
         # Where every server saves its slots (spillover_slot_dir): set, each server is
         # fingerprinted too (one probe completion, not cached), for KV migration.
         self.slot_dir: Path | None = None
@@ -137,14 +151,18 @@ class ServerDirectory:
         for upstream in upstreams:
             known = self.info.get(upstream)
             fingerprinted = self.slot_dir is None or (known and known.fingerprint is not None)
-            if known is not None and known.slot_context is not None and fingerprinted:
+            if known is not None and known.settled and fingerprinted:
+                continue
+            if upstream in self._probing:
                 continue
             if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
                 continue
             self._asked[upstream] = now
+            self._probing.add(upstream)
             task = asyncio.ensure_future(self._probe(upstream, fallbacks))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _, server=upstream: self._probing.discard(server))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -176,14 +194,33 @@ class ServerDirectory:
 
     async def _probe(self, upstream: Upstream, generate: bool) -> None:
         info = ServerInfo()
+        props = await self._answer(info, upstream, "/props")
+        if props is not None:
+            try:
+                info.slot_context = int(props["default_generation_settings"]["n_ctx"])
+            except (ValueError, KeyError, TypeError) as exc:
+                _unanswered(info, "/props", exc)
+        models = await self._answer(info, upstream, "/v1/models")
+        info.engine, info.models = identify(props, models), model_ids(models)
+        info.model = info.models[0] if info.models else None
+
+        def ask(path: str, body: Any) -> Any:
+            return self._ask(upstream, path, body)
+
         try:
-            props = await self._ask(upstream, "/props")
-            info.slot_context = int(props["default_generation_settings"]["n_ctx"])
+            info.continues, info.continues_why = await proof.continues(
+                ask, info.engine, info.model, generate
+            )
+            # Known for good once it answered: a server that did not is asked again.
+            info.settled = props is not None or models is not None
+        except proof.ERRORS as exc:
+            info.continues_why = f"not checked: {proof.failed(exc)}"
+        # Known from here on: a handoff soon after start-up may go there already. The
+        # rest fills in as it is answered.
+        self.info[upstream] = info
+        try:
+            info.tokenizer = await self._tokenizer(upstream, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            _unanswered(info, "/props", exc)
-        try:
-            info.model, info.tokenizer = await self._tokenizer(upstream)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
             _unanswered(info, "/tokenize", exc)
         if generate:
             try:
@@ -192,7 +229,13 @@ class ServerDirectory:
                 _unanswered(info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
-        self.info[upstream] = info
+
+    async def _answer(self, info: ServerInfo, upstream: Upstream, path: str) -> Any:
+        try:
+            return await self._ask(upstream, path)
+        except (httpx.HTTPError, ValueError) as exc:
+            _unanswered(info, path, exc)
+            return None
 
     async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
         def ask(path: str, body: Any) -> Any:
@@ -212,16 +255,16 @@ class ServerDirectory:
         mine = self.get(a).tokenizer
         return mine is not None and mine == self.get(b).tokenizer
 
-    async def _tokenizer(self, upstream: Upstream) -> tuple[str | None, str | None]:
-        """The model's name and a fingerprint of its tokenizer: its vocabulary's kind
-        and size and the ids it makes of a probe text."""
-        model = (await self._ask(upstream, "/v1/models"))["data"][0]
-        meta = model.get("meta") or {}
-        ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
+    async def _tokenizer(self, upstream: Upstream, models: Any) -> str | None:
+        """A fingerprint of the model's tokenizer, from its vocabulary's kind and size
+        (llama-server's `/v1/models` says them) and the ids it makes of a probe text."""
+        entries = mapping(models).get("data") or [None]
+        meta = mapping(mapping(entries[0]).get("meta"))
         if "n_vocab" not in meta:
-            return model.get("id"), None
+            return None
+        ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
         fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
-        return model.get("id"), hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+        return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """The chat request's prompt as this server's template renders it."""

@@ -1,6 +1,6 @@
 """Whether two servers compute an answer the same way, from measured evidence.
 
-Moving an answer's KV state from one server to another (migration.py) is safe only when
+Moving an answer's KV state from one server to another (handoff/migration.py) is safe only when
 both would have computed that state bit for bit alike: llama-server restores a slot saved
 by another model of the same shape without complaint and uses it. So a fingerprint holds
 what can be checked, not what is configured: the model file's content hash where the

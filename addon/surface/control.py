@@ -27,7 +27,7 @@ REASON_LIMIT = 200  # characters of a requested handoff's reason that reach the 
 
 
 def add_access_options(loader: Any) -> None:
-    """Who may steer the addon, and which credentials go where (see credentials.py)."""
+    """Who may steer the addon, and which credentials go where (see servers/credentials.py)."""
     loader.add_option(
         "spillover_server_keys", str, "",
         "Each server's own API key, for the addon's questions and for fallback legs: "

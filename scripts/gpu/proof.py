@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from scripts.gpu.setup import (
+from scripts.gpu.prepare import (
     CACHE,
     activate,
     build_cuda_server,

@@ -61,11 +61,32 @@ STREAM_HEAD = (
 
 
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+# It stands in for llama-server: its model list says so, and it renders a chat as the
+# tiny models' ChatML template does, a trailing assistant message left open (what the
+# addon checks before it lets a server continue an answer: addon/servers/proof.py).
+MODELS = {"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "llamacpp"}]}
+
+
+def chatml(messages: list[dict[str, Any]]) -> str:
+    turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    if messages and messages[-1]["role"] == "assistant":
+        return "".join(turns[:-1]) + f"<|im_start|>assistant\n{messages[-1]['content']}"
+    return "".join(turns) + "<|im_start|>assistant\n"
+
+
+def json_response(payload: Any) -> bytes:
+    data = json.dumps(payload).encode()
+    head = (
+        "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}"
+    )
+    return head.encode() + b"\r\n\r\n" + data
 
 
 class FakeUpstream:
     """Answers every POST with `script`: (bytes, seconds to wait after sending) pairs,
-    then closes the connection. Anything else (the addon's start-up questions) gets 404."""
+    then closes the connection; `/v1/models` and `/apply-template` as llama-server does
+    (see MODELS). Anything else (the addon's other start-up questions) gets 404."""
 
     def __init__(self, script: Sequence[tuple[bytes, float]]) -> None:
         self.script = list(script)
@@ -99,6 +120,12 @@ class FakeUpstream:
             )
             while len(body) < length:
                 body += conn.recv(65536)
+            if head.startswith(b"GET /v1/models "):
+                conn.sendall(json_response(MODELS))
+                return
+            if head.startswith(b"POST /apply-template "):
+                conn.sendall(json_response({"prompt": chatml(json.loads(body)["messages"])}))
+                return
             if not head.startswith(b"POST "):
                 conn.sendall(NOT_FOUND)
                 return
