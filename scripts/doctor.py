@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from addon.servers import proof
+from addon.servers.engines import identify, model_ids
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
@@ -39,6 +41,35 @@ def describe_server(url: str, cards: CardMap) -> str:
     mapping = cards.mapping_of(url)
     on = ", ".join(sorted(mapping.cards)) or "none known"
     return f"{OK}{url}: {model}; cards: {on} (by {mapping})"
+
+
+async def continuation_of(url: str) -> str:
+    """Which engine the server is and whether it continues an answer (as the addon checks
+    a fallback: addon/servers/proof.py)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def ask(path: str, body: Any = None) -> Any:
+            if body is None:
+                response = await client.get(f"{url}{path}")
+            else:
+                response = await client.post(f"{url}{path}", json=body)
+            return response.raise_for_status().json()
+
+        async def answer(path: str) -> Any:
+            try:
+                return await ask(path)
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        models = await answer("/v1/models")
+        engine = identify(await answer("/props"), models)
+        names = model_ids(models)
+        try:
+            verdict, why = await proof.continues(ask, engine, names[0] if names else None, True)
+        except proof.ERRORS as exc:
+            verdict, why = None, f"not checked: {proof.failed(exc)}"
+    said = "continues an answer" if verdict else "continues no answer that sent text"
+    return f"{OK if verdict else MISSING}{url}: {engine}; {said}: {why}"
 
 
 async def fingerprint_of(url: str, slot_dir: Path) -> Fingerprint | str:
@@ -132,6 +163,9 @@ def main() -> None:
         cards = card_map(parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root)
         for url in servers:
             print("  " + describe_server(url, cards))
+        print("\nwhich servers may continue an answer (a trailing assistant message left open)")
+        for url in servers:
+            print("  " + asyncio.run(continuation_of(url)))
         if args.slot_dir is not None:
             print(f"\nKV migration (slots saved in {args.slot_dir})")
             for line in migration_lines(servers, args.slot_dir):

@@ -35,7 +35,7 @@ VOLATILE = (
     "id", "item_id", "created", "created_at", "system_fingerprint", "timings",
     "total_duration", "load_duration", "prompt_eval_duration", "eval_duration",
 )  # fmt: skip
-PAUSE = re.compile(r", first byte after [0-9.]+ ms")
+PAUSE = re.compile(r", (first byte after|seen within) [0-9.]+ ms")  # timings, not behaviour
 # Handoffs asked for (replayed by asking again at the cut), and how a POST is described.
 ASKED = {"requested", "pressure", "slow"}
 REQUESTED = "requested by POST /spillover/handoff: "

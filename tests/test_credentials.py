@@ -148,7 +148,7 @@ def test_without_keys_the_status_says_what_is_turned_off(start_server, start_pro
     proxy = start_proxy(primary.url, [])
     (unanswered,) = [proxy.servers_known()[primary.url]["unanswered"]]
     assert unanswered["/props"].startswith("HTTP 401; turns off room checks")
-    assert "token-exact replay" in unanswered["/tokenize"]
+    assert "token-exact replay" in unanswered["/v1/models"]
 
 
 def test_header_bytes_and_the_status_line_pass_through(primary, proxy) -> None:

@@ -5,6 +5,7 @@ new answers but never one that has sent text; llama-server continues, and is pro
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from scripts.replay import read_flows
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.processes import free_port
@@ -88,18 +90,36 @@ def test_an_answer_passes_an_unproven_fallback_for_one_that_continues(
 
 
 def test_an_unproven_engine_still_takes_a_new_answer(
-    start_proxy, new_turner: LlamaCppPythonServer
+    start_proxy, new_turner: LlamaCppPythonServer, tmp_path: Path
 ) -> None:
     """The primary is down before the first byte: nothing to continue, so the request goes
-    to llama-cpp-python unchanged, and its own answer comes back whole."""
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [new_turner.url])
+    to llama-cpp-python as the client sent it, but for the model name (its own, as an
+    engine that checks names wants), and its own answer comes back whole."""
+    flows_file = tmp_path / "flows.mitm"
+    proxy = start_proxy(
+        f"http://127.0.0.1:{free_port()}", [new_turner.url],
+        options=[f"save_stream_file={flows_file}"],
+    )  # fmt: skip
+    own = proxy.servers_known()[new_turner.url]["models"][0]
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")
     chunks = client.chat.completions.create(
         model="any", messages=PROMPT, max_tokens=40, temperature=0, stream=True
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     direct = openai.OpenAI(base_url=f"{new_turner.url}/v1", api_key="none")
-    alone = direct.chat.completions.create(
-        model="any", messages=PROMPT, max_tokens=40, temperature=0
-    )
+    alone = direct.chat.completions.create(model=own, messages=PROMPT, max_tokens=40, temperature=0)
     assert text and text == alone.choices[0].message.content
+    proxy.stop()  # the recording is whole
+    (leg,) = [
+        f for f in read_flows(flows_file)
+        if f.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
+        and f.request.port == new_turner.port
+    ]  # fmt: skip
+    sent = json.loads(leg.request.content)
+    assert sent["model"] == own and {**sent, "model": "any"} == {
+        "model": "any",
+        "messages": PROMPT,
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+    }

@@ -3,12 +3,18 @@ server left on request takes the answer back when the one it went to fails."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.streams import assert_one_clean_stream, chat_body, direct_text, read_stream
 from tests.test_splice import held
 
 CONTROL = httpx.Client()
+
+
+def state_of(proxy: str, server: str) -> str:
+    return CONTROL.get(f"{proxy}/spillover/status").json()["routing"]["states"][server]["state"]
 
 
 def test_a_requested_handoff_with_no_room_anywhere_leaves_the_answer(
@@ -35,11 +41,17 @@ def test_the_primary_takes_the_answer_back_when_the_fallback_fails(
     start_server, start_proxy
 ) -> None:
     primary = start_server("primary")
-    # A fallback that is up (its /health answers) but refuses the answer: it wants a key
-    # the addon was not given.
-    locked = start_server("fallback", extra_args=["--api-key", "not-given"])
-    proxy = start_proxy(primary.url, [locked.url])
-    proxy.servers_known()
+    # A fallback that is up (its /health answers) but refuses the answer: once the proxy
+    # has seen it continue, it is started again wanting a key the addon was not given.
+    # (Locked from the start, it would never be checked, and never asked to continue.)
+    fallback = start_server("fallback")
+    proxy = start_proxy(primary.url, [fallback.url])
+    assert proxy.servers_known()[fallback.url]["continues"] is True
+    fallback.stop()
+    locked = start_server("fallback", port=fallback.port, extra_args=["--api-key", "not-given"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and state_of(proxy.url, locked.url) != "ok":
+        time.sleep(0.05)  # the proxy saw it go down while it restarted
     moved: list[int] = []
 
     # Whatever a requester says, the handoff is a requested one, and its reason is short.

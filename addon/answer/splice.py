@@ -24,7 +24,7 @@ from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
-from addon.handoff.nextleg import NextLeg, unpinned
+from addon.handoff.nextleg import NextLeg, rerouted
 from addon.handoff.record import Handoff
 from addon.servers.credentials import redacted
 from addon.servers.exchange import Exchange
@@ -271,7 +271,8 @@ class Splice:
             if not self.handoffs:
                 body = self.raw_body
                 if upstream != self.primary:
-                    body = unpinned(self.body, body)
+                    own = self._fleet.servers.own_model(upstream, self.body.get("model"))
+                    body = rerouted(self.body, body, own)
                 path, rewriter = self.path, None
             else:
                 try:

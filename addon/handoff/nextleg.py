@@ -15,14 +15,17 @@ from addon.servers.directory import ServerDirectory
 from addon.servers.upstream import Upstream
 
 
-def unpinned(body: dict[str, Any], raw_body: bytes) -> bytes:
+def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
     """The client's body for a server other than the primary: without `id_slot` (the
     client named one of the primary's slots; elsewhere that slot may be running another
-    answer, which a pinned request would change: see shadow.py)."""
-    if "id_slot" not in body:
+    answer, which a pinned request would change: see handoff/shadow.py), and naming the
+    server's own `model` where it has to (see ServerDirectory.own_model)."""
+    if "id_slot" not in body and model is None:
         return raw_body
     moved = json.loads(raw_body)
     moved.pop("id_slot", None)
+    if model is not None:
+        moved["model"] = model
     return json.dumps(moved).encode()
 
 
@@ -82,7 +85,9 @@ class NextLeg:
             )
             delivered = self.transcript.content or self.transcript.reasoning
             path, replay = self.dialect.leg_path(self.path, body), "text" if delivered else None
-        body.pop("id_slot", None)  # the client's, one of the primary's (see `unpinned`)
+        body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
+        if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
+            body["model"] = own
         return path, body, rewriter, replay
 
     async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:

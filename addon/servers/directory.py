@@ -47,7 +47,7 @@ TOKENIZER_PROBE = (
 # What a server's unanswered question turns off.
 NEEDED_FOR = {
     "/props": "room checks (its context per slot is unknown)",
-    "/v1/models": "knowing its engine and model (it continues nothing)",
+    "/v1/models": "knowing its model and tokenizer (token-exact replay)",
     "/tokenize": "token-exact replay (its tokenizer is unknown)",
     "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
 }
@@ -62,6 +62,7 @@ class ServerInfo:
     continues: bool | None = None
     continues_why: str = "not checked yet"
     settled: bool = False  # it answered; what is not known by now is not asked again
+    asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None
     slot_context: int | None = None
     tokenizer: str | None = None
@@ -229,6 +230,7 @@ class ServerDirectory:
                 _unanswered(info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
+        info.asked = True
 
     async def _answer(self, info: ServerInfo, upstream: Upstream, path: str) -> Any:
         try:
@@ -250,6 +252,15 @@ class ServerDirectory:
             return len(answer["tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
+
+    def own_model(self, upstream: Upstream, asked: Any) -> str | None:
+        """The name `upstream` serves its model by, where the client asked for another
+        (`asked`) and the server holds clients to its names (every engine but
+        llama-server, which takes any name)."""
+        info = self.get(upstream)
+        if info.engine in (None, "llama-server") or not info.models or asked in info.models:
+            return None
+        return info.models[0]
 
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
         mine = self.get(a).tokenizer

@@ -2,13 +2,16 @@
 assumed.
 
 A chat continuation sends the answer so far as a trailing assistant message. An engine
-that renders it open goes on with the same answer; one that closes it and opens a new
-turn starts a new answer, which the client would read as the rest of the old one. So
-each server is checked before it is asked to continue anything that has sent text:
-llama-server by how its template renders one (`/apply-template`, which changes nothing);
-another engine, a fallback, by what its prompt grows by when one is added (its prompt
-token counts against its own tokenize route): by exactly the message's own tokens when
-the message stays open. A server that cannot be checked continues nothing.
+that leaves it open goes on with the same answer; one that closes it and opens a new turn
+(or drops it) starts a new answer, which the client would read as the rest of the old
+one. So each server is checked before it is asked to continue anything that has sent
+text. llama-server: its template's rendering of a chat that ends in one (`/apply-template`,
+which changes nothing) must end with the message's own text, nothing after it. Another
+engine, a fallback: its prompt, as it counts it, must grow by the message's own tokens
+when one is added (two of different lengths: the longer by exactly the difference, so
+it was read, and neither by more, so no turn was closed after it; less is the part of
+the generation prompt, such as an opened `<think>`, that the open message replaces). A
+server that cannot be checked continues nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from addon.servers.engines import token_count, tokenize_request
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
 USER = {"role": "user", "content": "Continue."}
 PARTIAL = "Zq7 mo"
+LONGER = PARTIAL + " the river ran under the old bridge"
 ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError)  # a question that went wrong
 
 
@@ -40,9 +44,8 @@ async def continues(
 
 
 async def _rendered_open(ask: Ask) -> tuple[bool, str]:
-    alone = (await ask("/apply-template", {"messages": [USER]}))["prompt"]
-    partial = (await ask("/apply-template", {"messages": [USER, _assistant()]}))["prompt"]
-    if isinstance(alone, str) and partial == alone + PARTIAL:
+    rendered = (await ask("/apply-template", {"messages": [USER, _assistant(PARTIAL)]}))["prompt"]
+    if isinstance(rendered, str) and rendered.endswith(PARTIAL):
         return True, "its template leaves a trailing assistant message open (/apply-template)"
     return False, "its template closes a trailing assistant message (/apply-template)"
 
@@ -50,27 +53,35 @@ async def _rendered_open(ask: Ask) -> tuple[bool, str]:
 async def _prompt_grows_by_its_own(
     ask: Ask, engine: str, model: str | None
 ) -> tuple[bool | None, str]:
-    counting, empty = tokenize_request(engine, PARTIAL), tokenize_request(engine, "")
-    if counting is None or empty is None:
+    if tokenize_request(engine, "") is None:
         return None, f"not checked: {engine} has no tokenize route known to the addon"
-    alone = _prompt_tokens(await ask("/v1/chat/completions", _probe([USER], model)))
-    partial = await ask("/v1/chat/completions", _probe([USER, _assistant()], model))
-    partial = _prompt_tokens(partial)
-    own = token_count(await ask(*counting))
-    around = token_count(await ask(*empty))  # what the route adds to any text (a BOS)
-    if alone is None or partial is None or own is None or around is None:
+    counts = []
+    for messages in ([USER], [USER, _assistant(PARTIAL)], [USER, _assistant(LONGER)]):
+        counts.append(_prompt_tokens(await ask("/v1/chat/completions", _probe(messages, model))))
+    own = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER)]
+    if None in counts or None in own:
         return None, "not checked: no prompt token counts in its answers"
-    grew, own = partial - alone, own - around
-    if grew == own:
-        return True, f"a trailing assistant message adds only its own {own} tokens to the prompt"
-    return False, (
-        f"a trailing assistant message adds {grew} tokens to the prompt, not its own "
-        f"{own}: it opens a new turn"
-    )
+    alone, partial, longer = counts
+    grew, grew_longer = partial - alone, longer - alone
+    own_partial, own_longer = own[1] - own[0], own[2] - own[0]  # less what any text gets
+    if grew_longer - grew != own_longer - own_partial:
+        return False, "a trailing assistant message is not read as it was sent"
+    if grew > own_partial:
+        return False, (
+            f"a trailing assistant message adds {grew} tokens to the prompt, more than its "
+            f"own {own_partial}: it opens a new turn"
+        )
+    return True, "a trailing assistant message adds no more than its own tokens to the prompt"
 
 
-def _assistant() -> dict[str, str]:
-    return {"role": "assistant", "content": PARTIAL}
+async def _tokens(ask: Ask, engine: str, text: str) -> int | None:
+    request = tokenize_request(engine, text)
+    assert request is not None
+    return token_count(await ask(*request))
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
 
 
 def _probe(messages: list[dict[str, str]], model: str | None) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class Mitmdump(ManagedProcess):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             servers = httpx.get(f"{self.url}/spillover/status").json()["servers"]
-            if all(url in servers for url in urls):
+            if all(servers.get(url, {}).get("asked") for url in urls):
                 return servers
             time.sleep(0.02)
         raise ServerFailed(f"the addon never heard back from {urls}")
