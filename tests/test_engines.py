@@ -15,7 +15,7 @@ import pytest
 
 from scripts.replay import read_flows
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
-from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.llamaserver import LlamaRouter, LlamaServer
 from scripts.testbed.processes import free_port
 from scripts.testbed.prompts import PROMPT, chat_body
 from tests.streams import assert_one_clean_stream, continuation, read_stream
@@ -123,3 +123,40 @@ def test_an_unproven_engine_still_takes_a_new_answer(
         "temperature": 0,
         "stream": True,
     }
+
+
+def test_a_llama_server_router_is_asked_in_its_own_model_name(
+    models: dict[str, Path], server_logs: Path, start_server, start_proxy, tmp_path: Path
+) -> None:
+    """llama-server's router mode refuses a `model` it does not serve (the client's "any"
+    here) and says 0 for its context: the fallback's own model name and slots are used."""
+    directory = tmp_path / "router"
+    directory.mkdir()
+    (directory / "fallback.gguf").symlink_to(models["fallback"])
+    router = LlamaRouter(directory, log_dir=server_logs).start()
+    try:
+        primary = start_server("primary")
+        proxy = start_proxy(primary.url, [router.url])
+        known = proxy.servers_known()[router.url]
+        assert (known["engine"], known["models"]) == ("llama-server router", ["fallback"])
+        assert known["continues"] is True and known["slot_context"] == 1024  # 4096 / 4
+        body = chat_body(LONG, model="any")
+        kill = lambda n: n == 40 and primary.kill()  # noqa: E731
+        stream = read_stream(proxy.url, body, on_chunk=kill)
+        assert_one_clean_stream(stream)
+        before, after = stream.segments
+        # The router's own continuation of the delivered text, asked directly.
+        messages = [*PROMPT, {"role": "assistant", "content": before}]
+        rendered = httpx.post(
+            f"{router.url}/apply-template", json={"model": "fallback", "messages": messages}
+        ).json()["prompt"]
+        rest = LONG - stream.segment_tokens[0]
+        direct = httpx.post(
+            f"{router.url}/completion",
+            json={"model": "fallback", "prompt": rendered, "n_predict": rest, "temperature": 0,
+                  "cache_prompt": False},
+            timeout=60,
+        ).json()["content"]  # fmt: skip
+        assert after == direct
+    finally:
+        router.stop()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -27,7 +28,7 @@ from addon.formats.continuation import token_limit
 from addon.formats.shape import mapping
 from addon.servers import proof
 from addon.servers.credentials import Credentials, redacted
-from addon.servers.engines import identify, model_ids
+from addon.servers.engines import ROUTER, identify, model_ids
 from addon.servers.exchange import Exchange
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
@@ -204,6 +205,8 @@ class ServerDirectory:
         models = await self._answer(info, upstream, "/v1/models")
         info.engine, info.models = identify(props, models), model_ids(models)
         info.model = info.models[0] if info.models else None
+        if info.engine == ROUTER:
+            info.slot_context = await self._routed_context(info, upstream, generate)
 
         def ask(path: str, body: Any) -> Any:
             return self._ask(upstream, path, body)
@@ -225,12 +228,27 @@ class ServerDirectory:
             _unanswered(info, "/tokenize", exc)
         if generate:
             try:
-                info.echoes_prefill = await self._echoes(upstream)
+                routed = info.model if info.engine == ROUTER else None
+                info.echoes_prefill = await self._echoes(upstream, routed)
             except (httpx.HTTPError, ValueError) as exc:
                 _unanswered(info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
+
+    async def _routed_context(
+        self, info: ServerInfo, upstream: Upstream, may_load: bool
+    ) -> int | None:
+        """A router's context per slot is its model's (its own `/props` says 0). Asking
+        loads the model, which only a fallback is asked to do."""
+        if not may_load or info.model is None:
+            return None
+        try:
+            props = await self._ask(upstream, f"/props?model={quote(info.model)}")
+            return int(props["default_generation_settings"]["n_ctx"]) or None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            _unanswered(info, "/props", exc)
+            return None
 
     async def _answer(self, info: ServerInfo, upstream: Upstream, path: str) -> Any:
         try:
@@ -288,8 +306,9 @@ class ServerDirectory:
             return None
         return prompt if isinstance(prompt, str) else None
 
-    async def _echoes(self, upstream: Upstream) -> bool:
-        body = {
+    async def _echoes(self, upstream: Upstream, model: str | None) -> bool:
+        body: dict[str, Any] = {"model": model} if model else {}
+        body |= {
             "messages": [
                 {"role": "user", "content": "Continue."},
                 {"role": "assistant", "content": MARKER},

@@ -1,10 +1,12 @@
 """Which engine a server is, from what it answers to questions that change nothing, and
 the engine's own route for counting tokens.
 
-llama-server answers `/props` with its generation settings; the other engines are told
-apart by who `/v1/models` says owns their models (vLLM "vllm", SGLang "sglang",
-llama-cpp-python "me", llama-server "llamacpp"). A server none of these fit is a plain
-OpenAI-compatible one: nothing is assumed of it.
+llama-server answers `/props` with its generation settings; in its router mode (several
+models behind one server, each loaded when asked for) `/props` says `role: router`, and
+the server refuses a `model` it does not serve. The other engines are told apart by who
+`/v1/models` says owns their models (vLLM "vllm", SGLang "sglang", llama-cpp-python
+"me", llama-server "llamacpp"). A server none of these fit is a plain OpenAI-compatible
+one: nothing is assumed of it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Any
 
 from addon.formats.shape import mapping
 
+ROUTER = "llama-server router"
 OWNERS = {"llamacpp": "llama-server", "vllm": "vllm", "sglang": "sglang", "me": "llama-cpp-python"}
 # Each engine's tokenize route: (path, the field that takes the text, the extra fields
 # that keep special tokens out).
 TOKENIZE = {
     "llama-server": ("/tokenize", "content", {}),
+    ROUTER: ("/tokenize", "content", {}),
     "vllm": ("/tokenize", "prompt", {"add_special_tokens": False}),
     "sglang": ("/tokenize", "prompt", {"add_special_tokens": False}),
     "llama-cpp-python": ("/extras/tokenize", "input", {}),
@@ -26,6 +30,8 @@ TOKENIZE = {
 
 def identify(props: Any, models: Any) -> str:
     """The engine behind the answers to `/props` and `/v1/models` (None: no answer)."""
+    if mapping(props).get("role") == "router":
+        return ROUTER
     if isinstance(mapping(props).get("default_generation_settings"), dict):
         return "llama-server"
     data = mapping(models).get("data")

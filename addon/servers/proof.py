@@ -6,7 +6,8 @@ that leaves it open goes on with the same answer; one that closes it and opens a
 (or drops it) starts a new answer, which the client would read as the rest of the old
 one. So each server is checked before it is asked to continue anything that has sent
 text. llama-server: its template's rendering of a chat that ends in one (`/apply-template`,
-which changes nothing) must end with the message's own text, nothing after it. Another
+which changes nothing; a router, as a fallback, renders with the model it serves) must
+end with the message's own text, nothing after it. Another
 engine, a fallback: its prompt, as it counts it, must grow by the message's own tokens
 when one is added (two of different lengths: the longer by exactly the difference, so
 it was read, and neither by more, so no turn was closed after it; less is the part of
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 
 from addon.formats.shape import mapping
-from addon.servers.engines import token_count, tokenize_request
+from addon.servers.engines import ROUTER, token_count, tokenize_request
 
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
 USER = {"role": "user", "content": "Continue."}
@@ -37,14 +38,18 @@ async def continues(
     """(whether the server continues a partial assistant message, why it is known);
     None: not known, which counts as no. Raises what a question raised (ERRORS)."""
     if engine == "llama-server":
-        return await _rendered_open(ask)
+        return await _rendered_open(ask, {})
     if not may_generate:
+        # (A router would load the model to render the chat: that is not nothing.)
         return None, "not checked: a primary is asked nothing that generates"
+    if engine == ROUTER:
+        return await _rendered_open(ask, {"model": model})
     return await _prompt_grows_by_its_own(ask, engine, model)
 
 
-async def _rendered_open(ask: Ask) -> tuple[bool, str]:
-    rendered = (await ask("/apply-template", {"messages": [USER, _assistant(PARTIAL)]}))["prompt"]
+async def _rendered_open(ask: Ask, model: dict[str, Any]) -> tuple[bool, str]:
+    messages = [USER, _assistant(PARTIAL)]
+    rendered = (await ask("/apply-template", {**model, "messages": messages}))["prompt"]
     if isinstance(rendered, str) and rendered.endswith(PARTIAL):
         return True, "its template leaves a trailing assistant message open (/apply-template)"
     return False, "its template closes a trailing assistant message (/apply-template)"

@@ -21,7 +21,9 @@ from scripts.testbed.llamabin import (
 from scripts.testbed.processes import ManagedProcess, ServerFailed, running
 from scripts.testbed.tinymodels import ensure_models
 
-__all__ = ["BinaryNotFound", "LlamaServer", "ServerFailed", "find_binary", "running"]
+__all__ = [
+    "BinaryNotFound", "LlamaRouter", "LlamaServer", "ServerFailed", "find_binary", "running",
+]  # fmt: skip
 
 
 class LlamaServer(ManagedProcess):
@@ -54,6 +56,18 @@ class LlamaServer(ManagedProcess):
         if self.binary is None:
             self.binary = find_binary()
         return [str(self.binary), *self.args]
+
+
+class LlamaRouter(LlamaServer):
+    """llama-server in router mode: each GGUF file in `directory` is a model of its own,
+    named by its file's stem, loaded when a request names it."""
+
+    name = "llama-router"
+
+    def __init__(self, directory: Path, **kwargs) -> None:
+        super().__init__(directory, **kwargs)
+        at = self.args.index("--model")
+        self.args[at : at + 2] = ["--models-dir", str(directory)]
 
 
 def find_binary() -> Path:
