@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from addon.servers import proof
-from addon.servers.engines import identify, model_ids
+from addon.servers.directory import ServerDirectory
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
+from addon.servers.upstream import Upstream
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -44,32 +44,15 @@ def describe_server(url: str, cards: CardMap) -> str:
 
 
 async def continuation_of(url: str) -> str:
-    """Which engine the server is and whether it continues an answer (as the addon checks
-    a fallback: addon/servers/proof.py)."""
-    async with httpx.AsyncClient(timeout=30) as client:
-
-        async def ask(path: str, body: Any = None) -> Any:
-            if body is None:
-                response = await client.get(f"{url}{path}")
-            else:
-                response = await client.post(f"{url}{path}", json=body)
-            return response.raise_for_status().json()
-
-        async def answer(path: str) -> Any:
-            try:
-                return await ask(path)
-            except (httpx.HTTPError, ValueError):
-                return None
-
-        models = await answer("/v1/models")
-        engine = identify(await answer("/props"), models)
-        names = model_ids(models)
-        try:
-            verdict, why = await proof.continues(ask, engine, names[0] if names else None, True)
-        except proof.ERRORS as exc:
-            verdict, why = None, f"not checked: {proof.failed(exc)}"
-    said = "continues an answer" if verdict else "continues no answer that sent text"
-    return f"{OK if verdict else MISSING}{url}: {engine}; {said}: {why}"
+    """Which engine the server is and whether it continues an answer, asked as the addon
+    asks a fallback (addon/servers/directory.py, proof.py)."""
+    directory = ServerDirectory()
+    try:
+        info = await directory.probe(Upstream(url), generate=True)
+    finally:
+        await directory.close()
+    said = "continues an answer" if info.continues else "continues no answer that sent text"
+    return f"{OK if info.continues else MISSING}{url}: {info.engine}; {said}: {info.continues_why}"
 
 
 async def fingerprint_of(url: str, slot_dir: Path) -> Fingerprint | str:

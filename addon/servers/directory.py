@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,11 @@ def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
     log.info("no answer to %s: %s", path, info.unanswered[path])
 
 
+def _slot_context(props: Any) -> int | None:
+    """The context per slot a llama-server's `/props` says (0, a router's: unknown)."""
+    return int(props["default_generation_settings"]["n_ctx"]) or None
+
+
 class ServerDirectory:
     def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
         self._on_exchange = on_exchange
@@ -161,7 +166,7 @@ class ServerDirectory:
                 continue
             self._asked[upstream] = now
             self._probing.add(upstream)
-            task = asyncio.ensure_future(self._probe(upstream, fallbacks))
+            task = asyncio.ensure_future(self.probe(upstream, fallbacks))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda _, server=upstream: self._probing.discard(server))
@@ -194,12 +199,14 @@ class ServerDirectory:
             response = await self.client.post(url, json=body, headers=headers)
         return response.raise_for_status().json()
 
-    async def _probe(self, upstream: Upstream, generate: bool) -> None:
+    async def probe(self, upstream: Upstream, generate: bool) -> ServerInfo:
+        """Ask `upstream` about itself (`generate`: it may be asked to write a token, as
+        a fallback is) and keep what it says; `learn` does this in the background."""
         info = ServerInfo()
         props = await self._answer(info, upstream, "/props")
         if props is not None:
             try:
-                info.slot_context = int(props["default_generation_settings"]["n_ctx"])
+                info.slot_context = _slot_context(props)
             except (ValueError, KeyError, TypeError) as exc:
                 _unanswered(info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
@@ -208,17 +215,16 @@ class ServerDirectory:
         if info.engine == ROUTER:
             info.slot_context = await self._routed_context(info, upstream, generate)
 
-        def ask(path: str, body: Any) -> Any:
-            return self._ask(upstream, path, body)
-
-        try:
-            info.continues, info.continues_why = await proof.continues(
-                ask, info.engine, info.model, generate
-            )
-            # Known for good once it answered: a server that did not is asked again.
-            info.settled = props is not None or models is not None
-        except proof.ERRORS as exc:
-            info.continues_why = f"not checked: {proof.failed(exc)}"
+        if props is None and models is None:
+            info.continues_why = "not checked: it answered neither /props nor /v1/models"
+        else:
+            try:
+                info.continues, info.continues_why = await proof.continues(
+                    self._asker(upstream), info.engine, info.model, generate
+                )
+                info.settled = True  # it answered: not asked again
+            except proof.ERRORS as exc:
+                info.continues_why = f"not checked: {proof.failed(exc)}"
         # Known from here on: a handoff soon after start-up may go there already. The
         # rest fills in as it is answered.
         self.info[upstream] = info
@@ -235,6 +241,7 @@ class ServerDirectory:
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
+        return info
 
     async def _routed_context(
         self, info: ServerInfo, upstream: Upstream, may_load: bool
@@ -244,8 +251,7 @@ class ServerDirectory:
         if not may_load or info.model is None:
             return None
         try:
-            props = await self._ask(upstream, f"/props?model={quote(info.model)}")
-            return int(props["default_generation_settings"]["n_ctx"]) or None
+            return _slot_context(await self._ask(upstream, f"/props?model={quote(info.model)}"))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             _unanswered(info, "/props", exc)
             return None
@@ -258,10 +264,11 @@ class ServerDirectory:
             return None
 
     async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
-        def ask(path: str, body: Any) -> Any:
-            return self._ask(upstream, path, body)
+        return await fingerprint_for_migration(self._asker(upstream), slot_dir)
 
-        return await fingerprint_for_migration(ask, slot_dir)
+    def _asker(self, upstream: Upstream) -> Callable[[str, Any], Awaitable[Any]]:
+        """`_ask` bound to one server, for the modules that ask it questions of their own."""
+        return lambda path, body: self._ask(upstream, path, body)
 
     async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
         """How many tokens the server makes of `text` as a prompt."""

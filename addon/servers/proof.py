@@ -38,18 +38,19 @@ async def continues(
     """(whether the server continues a partial assistant message, why it is known);
     None: not known, which counts as no. Raises what a question raised (ERRORS)."""
     if engine == "llama-server":
-        return await _rendered_open(ask, {})
+        return await _rendered_open(ask, None)
     if not may_generate:
         # (A router would load the model to render the chat: that is not nothing.)
         return None, "not checked: a primary is asked nothing that generates"
     if engine == ROUTER:
-        return await _rendered_open(ask, {"model": model})
+        return await _rendered_open(ask, model)
     return await _prompt_grows_by_its_own(ask, engine, model)
 
 
-async def _rendered_open(ask: Ask, model: dict[str, Any]) -> tuple[bool, str]:
-    messages = [USER, _assistant(PARTIAL)]
-    rendered = (await ask("/apply-template", {**model, "messages": messages}))["prompt"]
+async def _rendered_open(ask: Ask, model: str | None) -> tuple[bool, str]:
+    request: dict[str, Any] = {"model": model} if model else {}
+    request["messages"] = [USER, _assistant(PARTIAL)]
+    rendered = (await ask("/apply-template", request))["prompt"]
     if isinstance(rendered, str) and rendered.endswith(PARTIAL):
         return True, "its template leaves a trailing assistant message open (/apply-template)"
     return False, "its template closes a trailing assistant message (/apply-template)"

@@ -36,6 +36,9 @@ class LiveAnswers:
     def splices(self) -> dict[str, Splice]:
         return {flow_id: live.splice for flow_id, live in self.by_flow.items()}
 
+    def get(self, flow_id: str) -> Splice | None:
+        return live.splice if (live := self.by_flow.get(flow_id)) is not None else None
+
     def start(self, flow: http.HTTPFlow, splice: Splice) -> None:
         """Start the splice's first leg now and send the flow to the endpoint for it."""
         request = flow.request

@@ -261,7 +261,7 @@ class Spillover:
         if sensed is not None and handoff.kind == "pressure" and handoff.pause_ms is None:
             handoff.sensed(sensed)
         self.metrics.record(handoff)
-        if (splice := self.live.splices().get(flow.id)) is not None:
+        if (splice := self.live.get(flow.id)) is not None:
             show_handoffs(flow, splice.handoffs)
 
     def _show_question(self, exchange: Exchange) -> None:
