@@ -51,7 +51,11 @@ async def continuation_of(url: str) -> str:
         info = await directory.probe(Upstream(url), generate=True)
     finally:
         await directory.close()
-    said = "continues an answer" if info.continues else "continues no answer that sent text"
+    said = (
+        f"continues an answer, asked by {info.continues_by}"
+        if info.continues
+        else "continues no answer that sent text"
+    )
     return f"{OK if info.continues else MISSING}{url}: {info.engine}; {said}: {info.continues_why}"
 
 

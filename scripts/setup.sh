@@ -45,3 +45,6 @@ fi
 .venv/bin/python -m scripts.testbed.llamaserver >/dev/null
 # The other engine of the tests (built once, about 5 min).
 .venv/bin/python -m scripts.testbed.llamacpppython >/dev/null
+# vLLM's CPU build, the third engine (installed once, about 12 min; where this machine
+# cannot install it, it says why and its tests are skipped with that reason).
+.venv/bin/python -m scripts.testbed.vllmserver >/dev/null

@@ -39,5 +39,8 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
         "(by explicit: spillover_cards)"
     ) in out
     assert "http://127.0.0.1:9: not answering /props" in out
-    assert f"ok  {primary.url}: llama-server; continues an answer: its template leaves" in out
+    assert (
+        f"ok  {primary.url}: llama-server; continues an answer, asked by a trailing "
+        "assistant message: its template leaves" in out
+    )
     assert "--  http://127.0.0.1:9: openai-compatible; continues no answer that sent text" in out

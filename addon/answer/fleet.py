@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from addon.answer.pace import PaceLimits
+from addon.formats.continuers import TRAILING_MESSAGE
 from addon.handoff.migration import Migrator
 from addon.handoff.shadow import Shadows
 from addon.servers.credentials import Credentials
@@ -81,15 +82,29 @@ class Fleet:
     def state(self, url: str) -> str:
         return self.router.state(url)[0]
 
-    def continues(self, server: Upstream) -> bool:
-        """Whether `server` is proven to continue a partial assistant message."""
-        return self.servers.get(server).continues is True
+    def continues(self, server: Upstream, dialect: str) -> bool:
+        """Whether `server` is proven to continue a partial assistant message sent in
+        `dialect`'s API. A way of asking other than the message alone is a chat field
+        (continue_final_message), proven on chat: another API's request does not carry it."""
+        info = self.servers.get(server)
+        return info.continues is True and (
+            info.continues_by == TRAILING_MESSAGE.name or dialect == "chat"
+        )
 
-    def unproven(self, ladder: Sequence[Upstream], admits: Callable[[Upstream], bool]) -> str:
+    def unproven(
+        self, ladder: Sequence[Upstream], admits: Callable[[Upstream], bool], dialect: str
+    ) -> str:
         """Why servers of `ladder` that `admits` turns away for want of proof continue
-        nothing ("" when there are none), for the client's error."""
-        unproven = [s for s in ladder if not admits(s) and not self.continues(s)]
-        whys = [f"{s.url} ({self.servers.get(s).continues_why})" for s in unproven]
+        nothing in `dialect`'s API ("" when there are none), for the client's error."""
+        whys = []
+        for server in ladder:
+            if admits(server) or self.continues(server, dialect):
+                continue
+            info = self.servers.get(server)
+            why = info.continues_why
+            if info.continues:
+                why = f"it continues only when asked by {info.continues_by}, a chat field"
+            whys.append(f"{server.url} ({why})")
         return f"; not proven to continue an answer: {', '.join(whys)}" if whys else ""
 
     def mark_down(self, server: Upstream, why: str) -> None:

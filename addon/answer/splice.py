@@ -106,7 +106,7 @@ class Splice:
             return True
         self.transcript.settle()
         delivered = self.transcript.content or self.transcript.reasoning
-        return not delivered or fleet.continues(server)
+        return not delivered or fleet.continues(server, self.dialect.name)
 
     @property
     def current(self) -> Upstream:
@@ -232,7 +232,8 @@ class Splice:
                 self._give_up(client, f"{failure}; {why}")
                 return
             if target is None:
-                self._give_up(client, failure + self._fleet.unproven(self.ladder, self._admits))
+                unproven = self._fleet.unproven(self.ladder, self._admits, self.dialect.name)
+                self._give_up(client, failure + unproven)
                 return
             self._announce(failure, kind, decided, target)
 

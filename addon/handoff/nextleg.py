@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from addon.formats.continuation import ChunkRewriter
+from addon.formats.continuers import CONTINUERS
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
 from addon.formats.transcript import Transcript
@@ -78,7 +79,7 @@ class NextLeg:
             body, rewriter = native
             path, replay = "/completion", "token ids"
         else:
-            body = self.dialect.continuation(self.body, self.transcript)
+            body = self._text_continuation(upstream)
             info = self._servers.get(upstream) if self._servers else None
             rewriter = self.dialect.rewriter(
                 self.transcript, body, info.echoes_prefill if info else None
@@ -89,6 +90,17 @@ class NextLeg:
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         return path, body, rewriter, replay
+
+    def _text_continuation(self, upstream: Upstream) -> dict[str, Any]:
+        """The continuation from the answer's text, asked the way `upstream` continues a
+        partial message (formats/continuers.py; chat only: see Fleet.continues)."""
+        body = self.dialect.continuation(self.body, self.transcript)
+        info = self._servers.get(upstream) if self._servers else None
+        way = CONTINUERS.get(info.continues_by or "") if info else None
+        continued = self.transcript.content or self.transcript.reasoning
+        if way is not None and continued and self.dialect.name == "chat" and "messages" in body:
+            body = way.ask(body)
+        return body
 
     async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
         """The prompt as `upstream` renders it and the delivered token ids, when a
@@ -150,14 +162,13 @@ class NextLeg:
         context = self._servers.get(upstream).slot_context
         if context is None:
             return True
-        bound = self.dialect.upper_bound(self.dialect.continuation(self.body, self.transcript))
+        bound = self.dialect.upper_bound(self._text_continuation(upstream))
         return bound is not None and bound <= context
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before
         an asked-for handoff leaves a server that is still working)."""
-        body = self.dialect.continuation(self.body, self.transcript)
-        return await self._no_room(upstream, body) is None
+        return await self._no_room(upstream, self._text_continuation(upstream)) is None
 
     async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """Why `upstream` cannot take this continuation whole, or None if it can (or

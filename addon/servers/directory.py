@@ -25,10 +25,11 @@ from urllib.parse import quote
 import httpx
 
 from addon.formats.continuation import token_limit
+from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
 from addon.formats.shape import mapping
-from addon.servers import proof
+from addon.servers import engines, proof
 from addon.servers.credentials import Credentials, redacted
-from addon.servers.engines import ROUTER, identify, model_ids
+from addon.servers.engines import ROUTER
 from addon.servers.exchange import Exchange
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
@@ -58,9 +59,10 @@ NEEDED_FOR = {
 class ServerInfo:
     engine: str | None = None
     models: list[str] = field(default_factory=list)
-    # Whether it continues a partial assistant message (None: not known, so no), and how
-    # that is known (proof.py).
+    # Whether it continues a partial assistant message (None: not known, so no), the way
+    # it is asked to (formats/continuers.py), and how that is known (proof.py).
     continues: bool | None = None
+    continues_by: str | None = None
     continues_why: str = "not checked yet"
     settled: bool = False  # it answered; what is not known by now is not asked again
     asked: bool = False  # every start-up question has been answered, or has failed
@@ -210,8 +212,11 @@ class ServerDirectory:
             except (ValueError, KeyError, TypeError) as exc:
                 _unanswered(info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
-        info.engine, info.models = identify(props, models), model_ids(models)
+        info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
         info.model = info.models[0] if info.models else None
+        if info.slot_context is None and (length := engines.context_length(models)):
+            info.slot_context = length
+            info.unanswered.pop("/props", None)  # what it would have said is known
         if info.engine == ROUTER:
             info.slot_context = await self._routed_context(info, upstream, generate)
 
@@ -219,9 +224,11 @@ class ServerDirectory:
             info.continues_why = "not checked: it answered neither /props nor /v1/models"
         else:
             try:
-                info.continues, info.continues_why = await proof.continues(
+                found = await proof.continues(
                     self._asker(upstream), info.engine, info.model, generate
                 )
+                info.continues, info.continues_why = found.continues, found.why
+                info.continues_by = found.continuer.name if found.continuer else None
                 info.settled = True  # it answered: not asked again
             except proof.ERRORS as exc:
                 info.continues_why = f"not checked: {proof.failed(exc)}"
@@ -234,8 +241,9 @@ class ServerDirectory:
             _unanswered(info, "/tokenize", exc)
         if generate:
             try:
-                routed = info.model if info.engine == ROUTER else None
-                info.echoes_prefill = await self._echoes(upstream, routed)
+                named = None if info.engine == "llama-server" else info.model
+                way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
+                info.echoes_prefill = await self._echoes(upstream, named, way)
             except (httpx.HTTPError, ValueError) as exc:
                 _unanswered(info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
@@ -313,7 +321,7 @@ class ServerDirectory:
             return None
         return prompt if isinstance(prompt, str) else None
 
-    async def _echoes(self, upstream: Upstream, model: str | None) -> bool:
+    async def _echoes(self, upstream: Upstream, model: str | None, way: Continuer) -> bool:
         body: dict[str, Any] = {"model": model} if model else {}
         body |= {
             "messages": [
@@ -324,12 +332,23 @@ class ServerDirectory:
             "temperature": 0,
             "cache_prompt": False,  # nothing of it stays in the server's prompt cache
         }
-        reply = await self._ask(upstream, "/v1/chat/completions", body)
+        reply = await self._ask(upstream, "/v1/chat/completions", way.ask(body))
         try:
             text = reply["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
         return str(text).startswith(MARKER)
+
+    async def _chat_prompt_tokens(self, upstream: Upstream, body: dict[str, Any]) -> int | None:
+        """A chat request's prompt tokens, counted by an engine that renders messages on
+        its tokenize route (see engines.chat_tokenize_request)."""
+        request = engines.chat_tokenize_request(self.get(upstream).engine or "", body)
+        if request is None:
+            return None
+        try:
+            return engines.prompt_count(await self._ask(upstream, *request))
+        except (httpx.HTTPError, ValueError):
+            return None
 
     async def room_needed(
         self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
@@ -340,6 +359,8 @@ class ServerDirectory:
         the pause)."""
         if bound is not None and bound <= room:
             return bound
+        if (counted := await self._chat_prompt_tokens(upstream, body)) is not None:
+            return counted + (token_limit(body) or 0)
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None

@@ -1,27 +1,32 @@
 """Whether a server continues a partial assistant message, proven at start-up, never
 assumed.
 
-A chat continuation sends the answer so far as a trailing assistant message. An engine
-that leaves it open goes on with the same answer; one that closes it and opens a new turn
-(or drops it) starts a new answer, which the client would read as the rest of the old
-one. So each server is checked before it is asked to continue anything that has sent
-text. llama-server: its template's rendering of a chat that ends in one (`/apply-template`,
+A chat continuation sends the answer so far as a trailing assistant message, asked one of
+the ways in formats/continuers.py. An engine that leaves it open goes on with the same
+answer; one that closes it and opens a new turn (or drops it) starts a new answer, which
+the client would read as the rest of the old one. So each server is checked before it is
+asked to continue anything that has sent text, each way in turn; the first that holds is
+the server's.
+
+llama-server: its template's rendering of a chat that ends in one (`/apply-template`,
 which changes nothing; a router, as a fallback, renders with the model it serves) must
-end with the message's own text, nothing after it. Another
-engine, a fallback: its prompt, as it counts it, must grow by the message's own tokens
-when one is added (two of different lengths: the longer by exactly the difference, so
-it was read, and neither by more, so no turn was closed after it; less is the part of
-the generation prompt, such as an opened `<think>`, that the open message replaces). A
+end with the message's own text, nothing after it. Another engine, a fallback: its
+prompt, as it counts it, must grow by the message's own tokens when one is added, asked
+that way (two of different lengths: the longer by exactly the difference, so it was
+read, and neither by more, so no turn was closed after it; less is the part of the
+generation prompt, such as an opened `<think>`, that the open message replaces). A
 server that cannot be checked continues nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
 from addon.formats.shape import mapping
 from addon.servers.engines import ROUTER, token_count, tokenize_request
 
@@ -32,52 +37,76 @@ LONGER = PARTIAL + " the river ran under the old bridge"
 ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError)  # a question that went wrong
 
 
-async def continues(
-    ask: Ask, engine: str, model: str | None, may_generate: bool
-) -> tuple[bool | None, str]:
-    """(whether the server continues a partial assistant message, why it is known);
-    None: not known, which counts as no. Raises what a question raised (ERRORS)."""
+@dataclass(frozen=True)
+class Proof:
+    continues: bool | None  # None: not known, which counts as no
+    why: str
+    continuer: Continuer | None = None  # the way it is asked to, when it does
+
+
+async def continues(ask: Ask, engine: str, model: str | None, may_generate: bool) -> Proof:
+    """Whether the server continues a partial assistant message, how, and why that is
+    known. Raises what a question raised (ERRORS)."""
     if engine == "llama-server":
         return await _rendered_open(ask, None)
     if not may_generate:
         # (A router would load the model to render the chat: that is not nothing.)
-        return None, "not checked: a primary is asked nothing that generates"
+        return Proof(None, "not checked: a primary is asked nothing that generates")
     if engine == ROUTER:
         return await _rendered_open(ask, model)
-    return await _prompt_grows_by_its_own(ask, engine, model)
+    if tokenize_request(engine, "") is None:
+        return Proof(None, f"not checked: {engine} has no tokenize route known to the addon")
+    counted = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER)]
+    alone = _prompt_tokens(await ask("/v1/chat/completions", _probe([USER], model)))
+    own = [n for n in counted if n is not None]
+    if len(own) < len(counted) or alone is None:
+        return Proof(None, "not checked: no prompt token counts in its answers")
+    whys = []
+    for way in CONTINUERS.values():
+        try:
+            why = await _grows_by_its_own(ask, way, model, alone, own)
+        except httpx.HTTPStatusError as exc:
+            if way is TRAILING_MESSAGE or exc.response.status_code >= 500:
+                raise
+            why = f"it refuses {way.name} ({failed(exc)})"
+        if why is None:
+            why = f"{way.name} adds no more than its own tokens to the prompt"
+            return Proof(True, "; ".join([*whys, why]), way)
+        whys.append(why)
+    return Proof(False, "; ".join(whys))
 
 
-async def _rendered_open(ask: Ask, model: str | None) -> tuple[bool, str]:
+async def _rendered_open(ask: Ask, model: str | None) -> Proof:
     request: dict[str, Any] = {"model": model} if model else {}
     request["messages"] = [USER, _assistant(PARTIAL)]
     rendered = (await ask("/apply-template", request))["prompt"]
     if isinstance(rendered, str) and rendered.endswith(PARTIAL):
-        return True, "its template leaves a trailing assistant message open (/apply-template)"
-    return False, "its template closes a trailing assistant message (/apply-template)"
+        why = "its template leaves a trailing assistant message open (/apply-template)"
+        return Proof(True, why, TRAILING_MESSAGE)
+    return Proof(False, "its template closes a trailing assistant message (/apply-template)")
 
 
-async def _prompt_grows_by_its_own(
-    ask: Ask, engine: str, model: str | None
-) -> tuple[bool | None, str]:
-    if tokenize_request(engine, "") is None:
-        return None, f"not checked: {engine} has no tokenize route known to the addon"
+async def _grows_by_its_own(
+    ask: Ask, way: Continuer, model: str | None, alone: int, own: list[int]
+) -> str | None:
+    """Why the server does not continue a partial message asked `way`, or None if it does."""
     counts = []
-    for messages in ([USER], [USER, _assistant(PARTIAL)], [USER, _assistant(LONGER)]):
-        counts.append(_prompt_tokens(await ask("/v1/chat/completions", _probe(messages, model))))
-    own = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER)]
-    if None in counts or None in own:
-        return None, "not checked: no prompt token counts in its answers"
-    alone, partial, longer = counts
+    for text in (PARTIAL, LONGER):
+        body = way.ask(_probe([USER, _assistant(text)], model))
+        if (count := _prompt_tokens(await ask("/v1/chat/completions", body))) is None:
+            return f"{way.name}: no prompt token counts in its answers"
+        counts.append(count)
+    partial, longer = counts
     grew, grew_longer = partial - alone, longer - alone
     own_partial, own_longer = own[1] - own[0], own[2] - own[0]  # less what any text gets
     if grew_longer - grew != own_longer - own_partial:
-        return False, "a trailing assistant message is not read as it was sent"
+        return f"{way.name}: the message is not read as it was sent"
     if grew > own_partial:
-        return False, (
-            f"a trailing assistant message adds {grew} tokens to the prompt, more than its "
-            f"own {own_partial}: it opens a new turn"
+        return (
+            f"{way.name}: the message adds {grew} tokens to the prompt, more than its own "
+            f"{own_partial}: it opens a new turn"
         )
-    return True, "a trailing assistant message adds no more than its own tokens to the prompt"
+    return None
 
 
 async def _tokens(ask: Ask, engine: str, text: str) -> int | None:

