@@ -151,6 +151,24 @@ def test_nvml_process_list_wins_when_it_names_the_pid(roots: tuple[Path, Path]) 
     assert plain.cards == {"nvml:1"} and plain.how == gates.PROCESS_LIST
 
 
+def test_the_processes_a_server_started_are_followed_to_their_cards(
+    roots: tuple[Path, Path],
+) -> None:
+    """vLLM answers HTTP from its API server; EngineCore and its Worker, started by it,
+    hold the card."""
+    proc, sysfs = roots
+    api = server(proc, comm="python3")
+    engine, worker = FakeProcess(proc, 4300, "EngineCore"), FakeProcess(proc, 4301, "Worker")
+    api.start(engine)
+    engine.start(worker)
+    held = PidCards()
+    held.add(4301, {"nvml:1"}, gates.NVML_PROCESSES)
+    mapping = card_map(proc, sysfs, {1: "nvml:1"}, held).mapping_of(URL)
+    assert mapping.cards == {"nvml:1"} and mapping.how == "nvml processes"
+    assert mapping.pids == (4242, 4300, 4301)
+    assert "pid 4301 (Worker)" in mapping.detail
+
+
 def test_fdinfo_pids_win_through_the_real_sources(roots: tuple[Path, Path]) -> None:
     proc, sysfs = roots
     card = FakeCard(sysfs, "card0", total_mib=8192, used_mib=0, pdev="0000:03:00.0")

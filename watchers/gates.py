@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from watchers.devices import DeviceCards, open_devices
-from watchers.listeners import Listeners, find_listeners
+from watchers.listeners import Listeners, descendants, find_listeners
 from watchers.listeners import listening_pids as listening_pids  # for older importers
 from watchers.meminfo import CARD as RAM
 
@@ -131,7 +131,9 @@ class CardMap:
         found = find_listeners(port, self._proc)
         if not found.pids:
             return self._not_found(port, found)
-        pids = tuple(sorted(found.pids))
+        # With the processes they started: vLLM's EngineCore and Worker hold its card.
+        started = [child for pid in found.pids for child in descendants(pid, self._proc)]
+        pids = tuple(sorted({*found.pids, *started}))
         names = {pid: self._comm(pid) for pid in pids}
         who = ", ".join(f"pid {pid} ({name})" for pid, name in names.items())
         held = self._gpu_pids()

@@ -57,3 +57,17 @@ def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
 def listening_pids(port: int, proc: Path = Path("/proc")) -> set[int]:
     """Processes with a TCP socket listening on `port`."""
     return set(find_listeners(port, proc).pids)
+
+
+def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """The processes `pid` started, and theirs (from each thread's `children` list). An
+    engine such as vLLM serves HTTP from one process and holds the card from others."""
+    found: list[int] = []
+    for task in (proc / str(pid) / "task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child, proc)]
+    return found

@@ -73,6 +73,13 @@ class FakeProcess:
         fd.symlink_to(target)
         return fd
 
+    def start(self, child: FakeProcess) -> None:
+        """`child` is a process this one started (its main thread's children list)."""
+        children = self.dir / "task" / str(self.pid) / "children"
+        children.parent.mkdir(parents=True, exist_ok=True)
+        known = children.read_text() if children.exists() else ""
+        children.write_text(f"{known}{child.pid} ")
+
     def listen(self, port: int, inode: int, uid: int = 0) -> None:
         """A listening TCP socket on `port`, in proc/net/tcp and among the descriptors."""
         add_listening_socket(self.proc, port, inode, uid)

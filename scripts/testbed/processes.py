@@ -31,19 +31,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs, from /proc (children first met first)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
-    return found
-
-
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

