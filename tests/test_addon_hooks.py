@@ -124,8 +124,12 @@ def test_handoff_command_moves_a_live_stream() -> None:
             tctx.configure(addon, spillover_fallbacks=fallback.url)
             await addon.running()
             # As a proxy is by the time traffic flows: it knows the fallback continues.
-            while not addon.fleet.continues(Upstream(fallback.url)):
+            for _ in range(1000):
+                if addon.fleet.continues(Upstream(fallback.url), "chat"):
+                    break
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(addon.fleet.servers.get(Upstream(fallback.url)))
             flow = chat_flow(STREAMING)
             flow.request.port = primary.port
             await addon.request(flow)

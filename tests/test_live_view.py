@@ -65,7 +65,9 @@ def test_the_view_shows_cards_servers_a_live_answer_and_its_handoff(
         [sys.executable, "-m", "scripts.watch", "--proxy", proxy.url, "--every-s", "0.2"],
     )
     try:
-        screen = view.wait_for(lambda s: "drm:card0" in s and "drm:card1" in s)
+        # A whole frame, not one caught while it is drawn (a loaded machine draws slowly).
+        whole = ("drm:card0", "drm:card1", "none streaming", "none yet", f"{fallback.url:28}")
+        screen = view.wait_for(lambda s: all(part in s for part in whole))
         assert "10,000 of 16,384 MiB   floor 512 MiB   armed   fired 0" in screen
         assert "none streaming" in screen and "none yet" in screen
         assert f"{primary.url:28} ok" in screen and f"{fallback.url:28} ok" in screen

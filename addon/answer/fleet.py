@@ -84,8 +84,8 @@ class Fleet:
 
     def continues(self, server: Upstream, dialect: str) -> bool:
         """Whether `server` is proven to continue a partial assistant message sent in
-        `dialect`'s API. A way of asking other than the message alone is a chat field
-        (continue_final_message), proven on chat: another API's request does not carry it."""
+        `dialect`'s API. A way of asking other than the message alone (continue_final_message,
+        a rendered prompt) is chat's, proven on chat: another API's request cannot take it."""
         info = self.servers.get(server)
         return info.continues is True and (
             info.continues_by == TRAILING_MESSAGE.name or dialect == "chat"
@@ -103,7 +103,7 @@ class Fleet:
             info = self.servers.get(server)
             why = info.continues_why
             if info.continues:
-                why = f"it continues only when asked by {info.continues_by}, a chat field"
+                why = f"it continues chat answers only, by {info.continues_by}"
             whys.append(f"{server.url} ({why})")
         return f"; not proven to continue an answer: {', '.join(whys)}" if whys else ""
 

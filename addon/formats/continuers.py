@@ -3,8 +3,11 @@
 Engines differ (../shared/FACTS.md section 6). llama-server, and any engine whose template
 leaves a trailing assistant message open, continues it as sent. vLLM, SGLang, TGI and
 TabbyAPI open a new turn after one unless the request also says
-`continue_final_message: true` and `add_generation_prompt: false`. Which way a server
-takes is proven for each one (servers/proof.py), never assumed from the primary.
+`continue_final_message: true` and `add_generation_prompt: false`. llama-cpp-python's
+server always opens one, but continues a text completion of its own chat prompt, rendered
+by the addon from the model's template, followed by the answer so far
+(handoff/rendered.py). Which way a server takes is proven for each one
+(servers/proof.py), never assumed from the primary.
 """
 
 from __future__ import annotations
@@ -29,4 +32,6 @@ FINAL_MESSAGE = Continuer(
     "continue_final_message",
     {"continue_final_message": True, "add_generation_prompt": False},
 )
-CONTINUERS = {way.name: way for way in (TRAILING_MESSAGE, FINAL_MESSAGE)}
+RENDERED = Continuer("a rendered prompt on /v1/completions")  # the request is remade
+CHAT_WAYS = (TRAILING_MESSAGE, FINAL_MESSAGE)
+CONTINUERS = {way.name: way for way in (*CHAT_WAYS, RENDERED)}

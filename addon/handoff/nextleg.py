@@ -6,14 +6,20 @@ import json
 from typing import Any
 
 from addon.formats.continuation import ChunkRewriter
-from addon.formats.continuers import CONTINUERS
+from addon.formats.continuers import CONTINUERS, RENDERED
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
+from addon.formats.template import NoTemplate
 from addon.formats.transcript import Transcript
+from addon.handoff import rendered
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.servers.directory import ServerDirectory
 from addon.servers.upstream import Upstream
+
+
+class CannotContinue(Exception):
+    """A server that continues answers cannot continue this one; the message says why."""
 
 
 def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
@@ -60,7 +66,10 @@ class NextLeg:
         rewrite its chunks), or why it cannot take it. `restored`: a slot of the server
         holds most of it (a migration's); the request names no slot, and the server's
         own choice among idle slots finds it (see shadow.py)."""
-        path, body, rewriter, handoff.replay = await self.continuation(upstream)
+        try:
+            path, body, rewriter, handoff.replay = await self.continuation(upstream)
+        except CannotContinue as why:
+            return str(why)
         if handoff.replay and seeded_sampling(self.body):
             handoff.caveat = "the sampling seed starts over on the new server"
         if (no_room := await self._no_room(upstream, body)) is not None:
@@ -73,11 +82,15 @@ class NextLeg:
         self, upstream: Upstream
     ) -> tuple[str, dict[str, Any], Rewriter, str | None]:
         """(path, body, chunk rewriter, how it replays) of the continuation as the answer
-        stands: from its token ids when `upstream` reads them the same way, else its text."""
+        stands: from its token ids when `upstream` reads them the same way, else its text.
+        Raises CannotContinue."""
         native = await self._exact(upstream)
         if native is not None:
             body, rewriter = native
             path, replay = "/completion", "token ids"
+        elif (completion := self._text_completion(upstream)) is not None:
+            body, rewriter = completion
+            path, replay = rendered.PATH, "text"
         else:
             body = self._text_continuation(upstream)
             info = self._servers.get(upstream) if self._servers else None
@@ -90,6 +103,27 @@ class NextLeg:
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         return path, body, rewriter, replay
+
+    def _text_completion(self, upstream: Upstream) -> tuple[dict[str, Any], Rewriter] | None:
+        """A text completion of `upstream`'s own chat prompt and the answer so far, where
+        that is how it continues one (handoff/rendered.py); None where it is not."""
+        servers = self._servers
+        info = servers.get(upstream) if servers else None
+        if servers is None or info is None or info.continues_by != RENDERED.name:
+            return None
+        if not self.transcript.content and not self.transcript.reasoning:
+            return None  # nothing to continue: the chat request as it is
+        if self.transcript.reasoning:
+            raise CannotContinue(
+                f"{upstream.url} continues only a rendered prompt, and where the reasoning "
+                "goes in it is its template's secret"
+            )
+        template = servers.templates[upstream]
+        try:
+            body = rendered.completion_body(self._text_continuation(upstream), template)
+        except NoTemplate as exc:
+            raise CannotContinue(f"{upstream.url}: {exc}") from None
+        return body, rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
 
     def _text_continuation(self, upstream: Upstream) -> dict[str, Any]:
         """The continuation from the answer's text, asked the way `upstream` continues a
@@ -115,7 +149,7 @@ class NextLeg:
             return None
         if (ids := self.transcript.exact_ids()) is None:
             return None
-        if (prompt := await self._rendered(upstream)) is None:
+        if (prompt := await self._chat_prompt(upstream)) is None:
             return None
         return prompt, ids
 
@@ -138,12 +172,12 @@ class NextLeg:
         if self._servers is None or (start := await self._exact_start(target)) is None:
             return None
         _, ids = start
-        if (prompt := await self._rendered(source)) is None:
+        if (prompt := await self._chat_prompt(source)) is None:
             return None
         count = await self._servers.count_tokens(source, prompt)
         return None if count is None else count + len(ids)
 
-    async def _rendered(self, upstream: Upstream) -> str | None:
+    async def _chat_prompt(self, upstream: Upstream) -> str | None:
         """The chat prompt as `upstream` renders it: asked once per server (the messages
         do not change while the answer streams)."""
         if upstream.url not in self._prompts:

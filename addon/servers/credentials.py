@@ -37,15 +37,22 @@ def read_secret(value: str) -> str:
     return lines[0].strip() if lines else ""
 
 
+def url_pairs(option: str, name: str, what: str) -> dict[str, str]:
+    """`URL=VALUE,...`, the value of option `name`, as {URL: VALUE} (`what`: the value's
+    name in the error). A URL has no `=`; a value may (a base64 key does)."""
+    pairs = {}
+    for item in filter(None, (part.strip() for part in option.split(","))):
+        url, sep, value = item.partition("=")
+        if not sep or not url or not value:
+            raise exceptions.OptionsError(f"{name}: expected URL={what}, got {item!r}")
+        pairs[url.rstrip("/")] = value
+    return pairs
+
+
 def parse_keys(option: str) -> dict[str, str]:
     """`URL=KEY,URL=@/path/to/file` -> {URL: KEY}."""
-    keys = {}
-    for item in filter(None, (part.strip() for part in option.split(","))):
-        url, sep, key = item.rpartition("=")
-        if not sep or not url or not key:
-            raise exceptions.OptionsError(f"spillover_server_keys: expected URL=KEY, got {item!r}")
-        keys[url.rstrip("/")] = read_secret(key)
-    return keys
+    pairs = url_pairs(option, "spillover_server_keys", "KEY")
+    return {url: read_secret(key) for url, key in pairs.items()}
 
 
 class Credentials:

@@ -27,10 +27,11 @@ import httpx
 from addon.formats.continuation import token_limit
 from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
 from addon.formats.shape import mapping
+from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
-from addon.servers.credentials import Credentials, redacted
+from addon.servers.credentials import Credentials
 from addon.servers.engines import ROUTER
-from addon.servers.exchange import Exchange
+from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
 
@@ -67,6 +68,7 @@ class ServerInfo:
     settled: bool = False  # it answered; what is not known by now is not asked again
     asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None
+    template_from: str | None = None  # where its chat template was read (or why not)
     slot_context: int | None = None
     tokenizer: str | None = None
     model: str | None = None
@@ -84,41 +86,6 @@ class ServerInfo:
         return status
 
 
-class RecordingTransport(httpx.AsyncBaseTransport):
-    """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
-
-    def __init__(self, record: Callable[[Exchange], None], limits: httpx.Limits) -> None:
-        self._inner = httpx.AsyncHTTPTransport(limits=limits)
-        self._record = record
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        port = url.port or (443 if url.scheme == "https" else 80)
-        exchange = Exchange(
-            f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
-            redacted(request.headers.raw), await request.aread(),
-            purpose="question",
-        )  # fmt: skip
-        try:
-            response = await self._inner.handle_async_request(request)
-            body = await response.aread()
-        except Exception as exc:
-            exchange.end("failed", repr(exc))
-            self._record(exchange)
-            raise
-        exchange.respond(response.status_code, list(response.headers.raw))
-        exchange.keep(body)
-        exchange.end("complete")
-        self._record(exchange)
-        return httpx.Response(
-            response.status_code, headers=response.headers, content=body,
-            extensions=response.extensions,
-        )  # fmt: skip
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
     status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
     why = f"HTTP {status}" if status is not None else repr(exc)
@@ -132,6 +99,10 @@ def _slot_context(props: Any) -> int | None:
     return int(props["default_generation_settings"]["n_ctx"]) or None
 
 
+def _changed(old: dict[str, str], new: dict[str, str]) -> set[str]:
+    return {url for url in {*old, *new} if old.get(url) != new.get(url)}
+
+
 class ServerDirectory:
     def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
         self._on_exchange = on_exchange
@@ -141,9 +112,31 @@ class ServerDirectory:
         self._tasks: set[asyncio.Future[None]] = set()
         self._asked: dict[Upstream, float] = {}
         self._probing: set[Upstream] = set()
+        self._named: dict[str, str] = {}  # server -> the model it is asked in
+        self._template_files: dict[str, str] = {}  # server -> its model's template file
+        self.templates: dict[Upstream, ChatTemplate] = {}
         # Where every server saves its slots (spillover_slot_dir): set, each server is
         # fingerprinted too (one probe completion, not cached), for KV migration.
         self.slot_dir: Path | None = None
+
+    def name_models(self, named: dict[str, str], running: bool) -> None:
+        """Ask these servers in these models (spillover_models)."""
+        self._forget(_changed(self._named, named), running)
+        self._named = dict(named)
+
+    def name_templates(self, files: dict[str, str], running: bool) -> None:
+        """Render these servers' chat prompts from these files (spillover_templates: a
+        GGUF or a tokenizer_config.json), for a text completion continuation."""
+        self._forget(_changed(self._template_files, files), running)
+        self._template_files = dict(files)
+
+    def _forget(self, servers: set[str], running: bool) -> None:
+        """What was learned of these servers is asked again (once running, now)."""
+        for upstream in [u for u in self.info if u.url in servers]:
+            del self.info[upstream]
+            self._asked.pop(upstream, None)
+        if running:
+            self.learn([Upstream(url) for url in servers], fallbacks=True)
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
@@ -213,7 +206,7 @@ class ServerDirectory:
                 _unanswered(info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
-        info.model = info.models[0] if info.models else None
+        info.model = self._named.get(upstream.url) or (info.models[0] if info.models else None)
         if info.slot_context is None and (length := engines.context_length(models)):
             info.slot_context = length
             info.unanswered.pop("/props", None)  # what it would have said is known
@@ -224,8 +217,9 @@ class ServerDirectory:
             info.continues_why = "not checked: it answered neither /props nor /v1/models"
         else:
             try:
+                template = await self._template(upstream, info) if generate else None
                 found = await proof.continues(
-                    self._asker(upstream), info.engine, info.model, generate
+                    self._asker(upstream), info.engine, info.model, generate, template
                 )
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
@@ -250,6 +244,22 @@ class ServerDirectory:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
         return info
+
+    async def _template(self, upstream: Upstream, info: ServerInfo) -> ChatTemplate | None:
+        """Its model's chat template: from the file spillover_templates names, else from
+        the GGUF a llama-cpp-python server names as its model (on this machine)."""
+        named = self._template_files.get(upstream.url)
+        path = named or (info.model if info.engine == "llama-cpp-python" else None)
+        if path is None or (not named and not path.endswith(".gguf")):
+            return None
+        try:
+            template = await asyncio.to_thread(read_template, Path(path))
+        except NoTemplate as exc:
+            info.template_from = f"none: {exc}"
+            return None
+        info.template_from = template.origin
+        self.templates[upstream] = template
+        return template
 
     async def _routed_context(
         self, info: ServerInfo, upstream: Upstream, may_load: bool
@@ -287,13 +297,13 @@ class ServerDirectory:
             return None
 
     def own_model(self, upstream: Upstream, asked: Any) -> str | None:
-        """The name `upstream` serves its model by, where the client asked for another
-        (`asked`) and the server holds clients to its names (every engine but
-        llama-server, which takes any name)."""
+        """The name `upstream` serves its model by (the one spillover_models names, else
+        the first it lists), where the client asked for another (`asked`) and the server
+        holds clients to its names (every engine but llama-server, which takes any name)."""
         info = self.get(upstream)
-        if info.engine in (None, "llama-server") or not info.models or asked in info.models:
+        if info.engine in (None, "llama-server") or info.model is None or asked in info.models:
             return None
-        return info.models[0]
+        return info.model
 
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
         mine = self.get(a).tokenizer

@@ -1,12 +1,18 @@
 """The record of one request the addon itself makes upstream: a leg of an answer (what
 its server was asked, what came back up to the cut, why it ended) or a question (`/props`,
-`/v1/models`, `/tokenize`, the prefill probe). `surface/flows.py` makes flows of them."""
+`/v1/models`, `/tokenize`, the prefill probe). `surface/flows.py` makes flows of them;
+`RecordingTransport` makes them of a client's questions."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
+
+from addon.servers.credentials import redacted
 
 KEEP_BYTES = 4 * 1024 * 1024  # of one response; past that a flow says how much it left out
 
@@ -58,3 +64,38 @@ class Exchange:
         what = f"leg {self.leg}" if self.purpose == "leg" else "question"
         why = f": {self.error}" if self.error else ""
         return f"spillover {what} to {self.server}: {self.outcome}{why}"
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
+
+    def __init__(self, record: Callable[[Exchange], None], limits: httpx.Limits) -> None:
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
+        self._record = record
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        exchange = Exchange(
+            f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
+            redacted(request.headers.raw), await request.aread(),
+            purpose="question",
+        )  # fmt: skip
+        try:
+            response = await self._inner.handle_async_request(request)
+            body = await response.aread()
+        except Exception as exc:
+            exchange.end("failed", repr(exc))
+            self._record(exchange)
+            raise
+        exchange.respond(response.status_code, list(response.headers.raw))
+        exchange.keep(body)
+        exchange.end("complete")
+        self._record(exchange)
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=body,
+            extensions=response.extensions,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

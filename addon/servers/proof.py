@@ -26,14 +26,17 @@ from typing import Any
 
 import httpx
 
-from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
+from addon.formats.continuers import CHAT_WAYS, RENDERED, TRAILING_MESSAGE, Continuer
 from addon.formats.shape import mapping
+from addon.formats.template import ChatTemplate, NoTemplate
 from addon.servers.engines import ROUTER, token_count, tokenize_request
 
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
 USER = {"role": "user", "content": "Continue."}
 PARTIAL = "Zq7 mo"
 LONGER = PARTIAL + " the river ran under the old bridge"
+TWO_TURNS = [USER, {"role": "assistant", "content": PARTIAL}, {"role": "user", "content": "More."}]
+PATH = "/v1/completions"
 ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError)  # a question that went wrong
 
 
@@ -44,9 +47,16 @@ class Proof:
     continuer: Continuer | None = None  # the way it is asked to, when it does
 
 
-async def continues(ask: Ask, engine: str, model: str | None, may_generate: bool) -> Proof:
+async def continues(
+    ask: Ask,
+    engine: str,
+    model: str | None,
+    may_generate: bool,
+    template: ChatTemplate | None = None,
+) -> Proof:
     """Whether the server continues a partial assistant message, how, and why that is
-    known. Raises what a question raised (ERRORS)."""
+    known; `template`: its model's chat template, where the addon has it (for the text
+    completion way). Raises what a question raised (ERRORS)."""
     if engine == "llama-server":
         return await _rendered_open(ask, None)
     if not may_generate:
@@ -62,15 +72,23 @@ async def continues(ask: Ask, engine: str, model: str | None, may_generate: bool
     if len(own) < len(counted) or alone is None:
         return Proof(None, "not checked: no prompt token counts in its answers")
     whys = []
-    for way in CONTINUERS.values():
+    for way in [*CHAT_WAYS, RENDERED]:
         try:
-            why = await _grows_by_its_own(ask, way, model, alone, own)
+            if way is RENDERED:
+                why = await _reads_its_own_chat_prompt(ask, model, template, alone, own)
+            else:
+                why = await _grows_by_its_own(_chat_counter(ask, way, model), way, alone, own)
         except httpx.HTTPStatusError as exc:
             if way is TRAILING_MESSAGE or exc.response.status_code >= 500:
                 raise
             why = f"it refuses {way.name} ({failed(exc)})"
         if why is None:
             why = f"{way.name} adds no more than its own tokens to the prompt"
+            if way is RENDERED and template is not None:
+                why = (
+                    f"{way.name}: the template from {template.origin} renders the prompt its "
+                    "chat route reads, and a text completion of it goes on from the answer"
+                )
             return Proof(True, "; ".join([*whys, why]), way)
         whys.append(why)
     return Proof(False, "; ".join(whys))
@@ -86,16 +104,56 @@ async def _rendered_open(ask: Ask, model: str | None) -> Proof:
     return Proof(False, "its template closes a trailing assistant message (/apply-template)")
 
 
+Counter = Callable[[str], Awaitable[int | None]]  # a partial answer -> the prompt's tokens
+
+
+def _chat_counter(ask: Ask, way: Continuer, model: str | None) -> Counter:
+    async def count(text: str) -> int | None:
+        body = way.ask(_probe([USER, _assistant(text)], model))
+        return _prompt_tokens(await ask("/v1/chat/completions", body))
+
+    return count
+
+
+async def _reads_its_own_chat_prompt(
+    ask: Ask, model: str | None, template: ChatTemplate | None, alone: int, own: list[int]
+) -> str | None:
+    """Why a text completion of the template's rendering is not how the server continues,
+    or None when it is: its text completions read the rendering of two chats as many
+    tokens as its chat route reads them (the same template), and go on from it."""
+    name = RENDERED.name
+    if template is None:
+        return f"{name}: its model's chat template is not known to the addon"
+
+    async def count(prompt: str) -> int | None:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_prompt": False}
+        return _prompt_tokens(await ask(PATH, {"model": model, **body} if model else body))
+
+    try:
+        renderings = [template.render(chat) for chat in ([USER], TWO_TURNS)]
+    except NoTemplate as exc:
+        return f"{name}: {exc}"
+    chat_two = _prompt_tokens(await ask("/v1/chat/completions", _probe(TWO_TURNS, model)))
+    for chat, rendering in zip((alone, chat_two), renderings, strict=True):
+        if chat is None or (text := await count(rendering)) is None:
+            return f"{name}: no prompt token counts in its answers"
+        if text != chat:
+            return (
+                f"{name}: the template from {template.origin} renders a prompt of {text} "
+                f"tokens where its chat route reads {chat}: not its template"
+            )
+    return await _grows_by_its_own(lambda text: count(renderings[0] + text), RENDERED, alone, own)
+
+
 async def _grows_by_its_own(
-    ask: Ask, way: Continuer, model: str | None, alone: int, own: list[int]
+    count: Counter, way: Continuer, alone: int, own: list[int]
 ) -> str | None:
     """Why the server does not continue a partial message asked `way`, or None if it does."""
     counts = []
     for text in (PARTIAL, LONGER):
-        body = way.ask(_probe([USER, _assistant(text)], model))
-        if (count := _prompt_tokens(await ask("/v1/chat/completions", body))) is None:
+        if (tokens := await count(text)) is None:
             return f"{way.name}: no prompt token counts in its answers"
-        counts.append(count)
+        counts.append(tokens)
     partial, longer = counts
     grew, grew_longer = partial - alone, longer - alone
     own_partial, own_longer = own[1] - own[0], own[2] - own[0]  # less what any text gets

@@ -19,7 +19,7 @@ from addon.formats.carried import SPLICED, arrives_in_pieces, recorded, spliceab
 from addon.handoff.migration import add_migration_options
 from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
-from addon.servers.credentials import Credentials, parse_keys
+from addon.servers.credentials import Credentials, parse_keys, url_pairs
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
@@ -67,6 +67,18 @@ class Spillover:
             "Show and record the addon's own upstream requests (each leg of an answer, "
             "the questions it asks servers) as flows of their own.",
         )  # fmt: skip
+        loader.add_option(
+            "spillover_models", str, "",
+            "Comma-separated URL=model pairs: the model a server that serves several is "
+            "asked in (default: the first its /v1/models lists).",
+        )  # fmt: skip
+        loader.add_option(
+            "spillover_templates", str, "",
+            "Comma-separated URL=file pairs: the GGUF or tokenizer_config.json whose chat "
+            "template a server's prompts are rendered from, to continue an answer through "
+            "its /v1/completions when its chat route cannot (a llama-cpp-python server's "
+            "own GGUF is found without it).",
+        )  # fmt: skip
         add_pace_options(loader)
         add_shadow_options(loader)
         add_migration_options(loader)
@@ -101,6 +113,12 @@ class Spillover:
             fleet.use_slot_dir(
                 options.spillover_slot_dir, self._known_primaries() if running else None
             )
+        if "spillover_models" in updated:
+            models = url_pairs(options.spillover_models, "spillover_models", "MODEL")
+            fleet.servers.name_models(models, running)
+        if "spillover_templates" in updated:
+            files = url_pairs(options.spillover_templates, "spillover_templates", "FILE")
+            fleet.servers.name_templates(files, running)
         if "spillover_fallbacks" in updated:
             fleet.use_fallbacks(options.spillover_fallbacks.split(","), running)
 

@@ -55,9 +55,11 @@ def has_text(api: str, line: str) -> bool:
     return marker in line and not line.startswith(":")
 
 
-def timed(client: httpx.Client, url: str, api: str, tokens: int, on_text=None):
-    """(ms to the first text, ms to the end, text gaps in ms) of one answer."""
+def timed(client: httpx.Client, url: str, api: str, tokens: int, on_text=None, extra=None):
+    """(ms to the first text, ms to the end, text gaps in ms) of one answer; `extra`: more
+    fields of the request (a model name an engine holds clients to)."""
     path, body = request(api, tokens)
+    body |= extra or {}
     start = time.perf_counter()
     texts: list[float] = []
     with client.stream("POST", url + path, json=body, timeout=60) as reply:
@@ -71,15 +73,18 @@ def timed(client: httpx.Client, url: str, api: str, tokens: int, on_text=None):
     return (texts[0] - start) * 1000, (end - start) * 1000, gaps
 
 
-def side_by_side(api: str, urls: dict[str, str], repeats: int, tokens: int) -> None:
+def side_by_side(
+    api: str, urls: dict[str, str], repeats: int, tokens: int, extra=None, label: str = ""
+) -> None:
     clients = {name: httpx.Client() for name in urls}
     for name, url in urls.items():
-        timed(clients[name], url, api, tokens)  # warm up: connections, the prompt cache
+        # warm up: connections, the prompt cache
+        timed(clients[name], url, api, tokens, extra=extra)
     first: dict[str, list[float]] = {name: [] for name in urls}
     whole: dict[str, list[float]] = {name: [] for name in urls}
     for _ in range(repeats):
         for name, url in urls.items():
-            a, b, _ = timed(clients[name], url, api, tokens)
+            a, b, _ = timed(clients[name], url, api, tokens, extra=extra)
             first[name].append(a)
             whole[name].append(b)
     direct_first = statistics.median(first["direct"])
@@ -87,11 +92,12 @@ def side_by_side(api: str, urls: dict[str, str], repeats: int, tokens: int) -> N
     for name in urls:
         f, w = statistics.median(first[name]), statistics.median(whole[name])
         print(
-            f"{api:10}{name:16}{f:12.2f}{f - direct_first:+12.2f}{w:12.1f}{w / direct_whole:11.2f}x"
+            f"{label or api:10}{name:16}{f:12.2f}{f - direct_first:+12.2f}"
+            f"{w:12.1f}{w / direct_whole:11.2f}x"
         )
 
 
-def pause(api: str, proxy: Mitmdump, tokens: int) -> float:
+def pause(api: str, proxy: Mitmdump, tokens: int, extra=None) -> float:
     """The gap a handoff asked for at the client's 20th text event leaves in the stream
     (the longest gap after it: tokens come a millisecond apart or less here)."""
     control = httpx.Client()
@@ -100,7 +106,7 @@ def pause(api: str, proxy: Mitmdump, tokens: int) -> float:
         if n == 20:
             control.post(f"{proxy.url}/spillover/handoff", json={})
 
-    _, _, gaps = timed(httpx.Client(), proxy.url, api, tokens, on_text)
+    _, _, gaps = timed(httpx.Client(), proxy.url, api, tokens, on_text, extra)
     return max(gaps[19:])
 
 
