@@ -17,10 +17,12 @@ import openai
 import pytest
 
 from scripts.testbed.llamabin import CACHE
+from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import SERVED_NAME, VllmServer, VllmUnavailable, hf_copy
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 
@@ -163,6 +165,34 @@ def test_a_messages_answer_is_not_continued_where_only_chat_can_ask(
     error = next(e for e in events if e.startswith("data:") and '"error"' in e)
     assert "continues chat answers only, by continue_final_message" in error
     assert sum(1 for e in events if "text_delta" in e) >= 20  # delivered stays delivered
+
+
+def test_a_reasoning_answer_is_not_continued_by_a_way_proven_on_plain_answers(
+    models: dict[str, Path], server_logs: Path, start_server, start_proxy, vllm: VllmServer
+) -> None:
+    """A llama-server primary with the reasoning template thinks aloud (the tiny model
+    never closes its reasoning) and is killed: vLLM (continue_final_message) and
+    llama-cpp-python (a rendered prompt) were proven on plain answers only, so the answer
+    ends with an error that says so for each, after the reasoning already delivered."""
+    template = str(reasoning_template(models["primary"].parent))
+    primary = start_server("primary", extra_args=["--chat-template-file", template])
+    rendering = LlamaCppPythonServer(models["fallback"], log_dir=server_logs).start(timeout=120)
+    try:
+        proxy = start_proxy(primary.url, [vllm.url, rendering.url])
+        known = proxy.servers_known()
+        assert known[rendering.url]["continues_by"] == "a rendered prompt on /v1/completions"
+        kill = lambda n: n == 20 and primary.kill()  # noqa: E731
+        stream = read_stream(proxy.url, chat_body(LONG), on_chunk=kill)
+    finally:
+        rendering.stop()
+    assert stream.done == 0 and stream.thoughts[0] and not stream.segments[0]
+    # Each server passed by is told in-band: vLLM's refusal is why the answer moved on to
+    # llama-cpp-python (a note), whose own refusal ends it (the error).
+    said = "seen to go on with plain answers only"
+    assert any(f"{vllm.url} continues by continue_final_message, {said}" in n for n in stream.notes)
+    message = stream.errors[0]["error"]["message"]
+    assert message.startswith("no server could continue this answer")
+    assert f"{rendering.url} continues by a rendered prompt on /v1/completions, {said}" in message
 
 
 def test_a_killed_vllm_primary_is_continued_by_llama_server(

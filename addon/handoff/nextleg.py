@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from addon.formats.continuation import ChunkRewriter
-from addon.formats.continuers import CONTINUERS, RENDERED
+from addon.formats.continuers import CONTINUERS, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
 from addon.formats.template import NoTemplate
@@ -88,6 +88,8 @@ class NextLeg:
         if native is not None:
             body, rewriter = native
             path, replay = "/completion", "token ids"
+        elif (why := self._unproven_for_reasoning(upstream)) is not None:
+            raise CannotContinue(why)
         elif (completion := self._text_completion(upstream)) is not None:
             body, rewriter = completion
             path, replay = rendered.PATH, "text"
@@ -111,19 +113,27 @@ class NextLeg:
         info = servers.get(upstream) if servers else None
         if servers is None or info is None or info.continues_by != RENDERED.name:
             return None
-        if not self.transcript.content and not self.transcript.reasoning:
+        if not self.transcript.content:
             return None  # nothing to continue: the chat request as it is
-        if self.transcript.reasoning:
-            raise CannotContinue(
-                f"{upstream.url} continues only a rendered prompt, and where the reasoning "
-                "goes in it is its template's secret"
-            )
         template = servers.templates[upstream]
         try:
             body = rendered.completion_body(self._text_continuation(upstream), template)
         except NoTemplate as exc:
             raise CannotContinue(f"{upstream.url}: {exc}") from None
         return body, rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
+
+    def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
+        """Why `upstream` may not go on with this answer's reasoning: its way of continuing
+        was proven on a plain answer, and only a trailing message (llama-server's) is
+        known to go on with a reasoning one (tests/test_reasoning.py)."""
+        info = self._servers.get(upstream) if self._servers else None
+        way = info.continues_by if info else None
+        if not self.transcript.reasoning or way in (None, TRAILING_MESSAGE.name):
+            return None
+        return (
+            f"{upstream.url} continues by {way}, seen to go on with plain answers only: "
+            "where this answer's reasoning goes there is not known"
+        )
 
     def _text_continuation(self, upstream: Upstream) -> dict[str, Any]:
         """The continuation from the answer's text, asked the way `upstream` continues a
