@@ -255,6 +255,8 @@ class Splice:
 
     def _give_up(self, client: ClientStream, failure: str) -> None:
         message = f"no server could continue this answer: {failure}"
+        delivered = f" after {self.transcript.produced} tokens" if client.started else ""
+        log.warning("an answer to %s ended%s: %s", self.primary.url, delivered, message)
         if client.started:
             client.end(self.dialect.error_end(message))
         elif self._refusal is not None:
@@ -397,3 +399,4 @@ class Splice:
             handoff = self.handoffs[-1]
             handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
             self._on_handoff(handoff)
+            log.info("%s %s", handoff.kind, handoff.describe())

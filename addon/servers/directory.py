@@ -86,12 +86,12 @@ class ServerInfo:
         return status
 
 
-def _unanswered(info: ServerInfo, path: str, exc: Exception) -> None:
+def _unanswered(upstream: Upstream, info: ServerInfo, path: str, exc: Exception) -> None:
     status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
     why = f"HTTP {status}" if status is not None else repr(exc)
     info.wants_key = info.wants_key or status in (401, 403)
     info.unanswered[path] = f"{why}; turns off {NEEDED_FOR[path]}"
-    log.info("no answer to %s: %s", path, info.unanswered[path])
+    log.info("%s: no answer to %s: %s", upstream.url, path, info.unanswered[path])
 
 
 def _slot_context(props: Any) -> int | None:
@@ -203,7 +203,7 @@ class ServerDirectory:
             try:
                 info.slot_context = _slot_context(props)
             except (ValueError, KeyError, TypeError) as exc:
-                _unanswered(info, "/props", exc)
+                _unanswered(upstream, info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
         info.model = self._named.get(upstream.url) or (info.models[0] if info.models else None)
@@ -232,14 +232,14 @@ class ServerDirectory:
         try:
             info.tokenizer = await self._tokenizer(upstream, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            _unanswered(info, "/tokenize", exc)
+            _unanswered(upstream, info, "/tokenize", exc)
         if generate:
             try:
                 named = None if info.engine == "llama-server" else info.model
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
                 info.echoes_prefill = await self._echoes(upstream, named, way)
             except (httpx.HTTPError, ValueError) as exc:
-                _unanswered(info, "/v1/chat/completions", exc)
+                _unanswered(upstream, info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
@@ -271,14 +271,14 @@ class ServerDirectory:
         try:
             return _slot_context(await self._ask(upstream, f"/props?model={quote(info.model)}"))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            _unanswered(info, "/props", exc)
+            _unanswered(upstream, info, "/props", exc)
             return None
 
     async def _answer(self, info: ServerInfo, upstream: Upstream, path: str) -> Any:
         try:
             return await self._ask(upstream, path)
         except (httpx.HTTPError, ValueError) as exc:
-            _unanswered(info, path, exc)
+            _unanswered(upstream, info, path, exc)
             return None
 
     async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:

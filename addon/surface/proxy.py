@@ -26,6 +26,7 @@ from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_leg
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
+from addon.surface.mistakes import unknown_options
 from addon.surface.status import assemble_status
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class Spillover:
         )
 
     def load(self, loader) -> None:
+        # A line per request of the addon's own client (a /health question every second)
+        # would drown what an operator reads; its failures are said where they matter.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         loader.add_option(
             "spillover_fallbacks", str, "",
             "Comma-separated fallback servers, in the order to try them "
@@ -123,6 +127,12 @@ class Spillover:
             fleet.use_fallbacks(options.spillover_fallbacks.split(","), running)
 
     async def running(self) -> None:
+        if mistakes := unknown_options(ctx.options.deferred, ctx.options.keys()):
+            for mistake in mistakes:
+                log.error("spillover: %s", mistake)
+            log.error("spillover: not started; fix the options above")
+            ctx.master.shutdown()
+            return
         self._loop = asyncio.get_running_loop()
         # A dead primary must not fail the client's connection before the request hook
         # can send it elsewhere, and stitched answers should be kept in flows and -w files.
@@ -140,6 +150,11 @@ class Spillover:
             ", ".join(SPLICED),
             ", ".join(u.url for u in self.fleet.fallbacks) or "none",
         )
+        if not self.fleet.fallbacks:
+            log.warning(
+                "spillover: no fallbacks (spillover_fallbacks): answers are carried, but "
+                "none can move when its server runs short or fails"
+            )
 
     async def done(self) -> None:
         for watch in (self._pace_watch, self._health_watch):

@@ -1,0 +1,26 @@
+"""Mistakes in how the proxy was started, said at start rather than found out later.
+
+mitmproxy keeps an option no addon declared (`--set spillover_fallback=...`, a typo of
+`spillover_fallbacks`) for an addon that may come later, and runs on without it: the
+proxy would carry answers with no fallback and say nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+PREFIX = "spillover_"
+
+
+def unknown_options(given: Iterable[str], known: Iterable[str]) -> list[str]:
+    """What to say of each `spillover_*` option given that no addon declared, with the
+    declared name it is closest to."""
+    ours = sorted(name for name in known if name.startswith(PREFIX))
+    tails = [name.removeprefix(PREFIX) for name in ours]  # the shared prefix matches all
+    said = []
+    for name in sorted(n for n in given if n.startswith(PREFIX)):
+        close = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
+        hint = f"; did you mean {PREFIX}{close[0]}?" if close else f"; ours: {', '.join(ours)}"
+        said.append(f"unknown option {name}{hint}")
+    return said
