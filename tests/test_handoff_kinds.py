@@ -52,6 +52,8 @@ def test_a_whole_answer_survives_the_primary_dying_before_it_answers(
     proxy = start_proxy(fake.url, [fallback.url])
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={**chat_body(40), "stream": False})
     assert reply.json()["choices"][0]["message"]["content"] == direct_text(fallback.url, 40)
+    said = reply.headers["x-spillover-handoff"]
+    assert f"({fake.url} closed the connection before its response)" in said
     fake.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from addon.surface.mistakes import unknown_options
@@ -66,3 +67,25 @@ def test_the_log_has_a_line_per_handoff_and_per_answer_that_could_not_go_on(
     ended = [line for line in alone.log_path.read_text().splitlines() if " ended " in line]
     assert len(ended) == 1 and f"an answer to {lonely.url} ended after " in ended[0]
     assert "no server could continue this answer" in ended[0]
+
+
+def test_a_handoff_whose_next_leg_failed_is_listed_as_it_is_counted(start_server, start_proxy):
+    """The fallback was proven at start and is gone by the handoff (health checks off, so
+    the proxy does not know): the handoff to it is counted and listed alike."""
+    primary, doomed = start_server("primary"), start_server("fallback")
+    proxy = start_proxy(primary.url, [doomed.url], options=["spillover_health_s=0"])
+    proxy.servers_known()
+    doomed.kill()
+    stream = read_stream(proxy.url, chat_body(300), on_chunk=lambda n: n == 40 and primary.kill())
+    assert (
+        stream.errors and f"cannot connect to {doomed.url}" in stream.errors[0]["error"]["message"]
+    )
+    status = httpx.get(f"{proxy.url}/spillover/status").json()
+    (listed,) = status["recent_handoffs"]
+    assert (listed["target"], listed["kind"], listed.get("pause_ms")) == (
+        doomed.url,
+        "failure",
+        None,
+    )
+    metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
+    assert 'spillover_handoffs_total{kind="failure"} 1.0' in metrics

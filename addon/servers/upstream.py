@@ -21,6 +21,18 @@ class UpstreamError(Exception):
     """The upstream could not be reached or broke the HTTP exchange."""
 
 
+def _before_response(exc: OSError | h11.RemoteProtocolError) -> str:
+    """What went wrong before a response, in words (h11 says "can't handle event type
+    ConnectionClosed when role=SERVER and state=SEND_RESPONSE" for a closed connection)."""
+    if isinstance(exc, ConnectionResetError):
+        return "reset the connection before its response"
+    if isinstance(exc, h11.RemoteProtocolError):
+        if "ConnectionClosed" in str(exc):
+            return "closed the connection before its response"
+        return f"broke HTTP before its response ({exc})"
+    return f"failed before its response ({exc.strerror or exc!r})"
+
+
 @dataclass(frozen=True)
 class Upstream:
     """An OpenAI-compatible server: scheme, host and port, e.g. http://127.0.0.1:8082."""
@@ -213,7 +225,7 @@ async def post(
             raise UpstreamError(f"connection closed before a response from {upstream.url}")
     except (OSError, h11.RemoteProtocolError) as exc:
         writer.transport.abort()
-        raise UpstreamError(f"{upstream.url} failed before its response: {exc!r}") from exc
+        raise UpstreamError(f"{upstream.url} {_before_response(exc)}") from exc
     except BaseException:
         writer.transport.abort()
         raise

@@ -40,17 +40,22 @@ class Metrics:
         )
         self._status = status
         self.registry.register(self)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        # Each handoff as it is decided (one whose next leg failed included, as counted);
+        # its pause fills in once the next server's first byte went out.
+        self._recent: deque[tuple[float, Handoff]] = deque(maxlen=RECENT)
 
     def record(self, handoff: Handoff) -> None:
         """Called when a handoff is decided, and again once its pause is known."""
         if handoff.pause_ms is None:
             self.handoffs.labels(handoff.kind).inc()
+            self._recent.append((round(time.time(), 3), handoff))
             if handoff.detected_within_ms is not None:
                 self.detection.observe(handoff.detected_within_ms / 1000)
         else:
             self.pause.observe(handoff.pause_ms / 1000)
-            self.recent.append({"at": round(time.time(), 3), **handoff.as_metadata()})
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [{"at": at, **handoff.as_metadata()} for at, handoff in self._recent]
 
     def collect(self):
         status = self._status()

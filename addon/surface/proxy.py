@@ -311,6 +311,6 @@ class Spillover:
 
     def status(self) -> dict[str, Any]:
         return assemble_status(
-            self.live.splices(), self.fleet, self.server_urls(), self.metrics.recent,
+            self.live.splices(), self.fleet, self.server_urls(), self.metrics.recent(),
             self.status_parts,
         )  # fmt: skip
