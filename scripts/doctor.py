@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from addon.servers.directory import ServerDirectory
+from addon.servers.directory import ServerDirectory, ServerInfo
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
 from watchers.gates import CardMap, parse_card_map
@@ -31,26 +31,61 @@ from watchers.sources import ALL, card_map, open_sources
 OK, MISSING = "ok  ", "--  "
 
 
-def describe_server(url: str, cards: CardMap) -> str:
-    try:
-        props = httpx.get(f"{url}/props", timeout=2).json()
-        settings = props.get("default_generation_settings", {})
-        model = f"{Path(props.get('model_path', '?')).name}, {settings.get('n_ctx', '?')} ctx/slot"
-    except (httpx.HTTPError, ValueError) as exc:
-        return f"{MISSING}{url}: not answering /props ({exc.__class__.__name__}); is it running?"
-    mapping = cards.mapping_of(url)
-    on = ", ".join(sorted(mapping.cards)) or "none known"
-    return f"{OK}{url}: {model}; cards: {on} (by {mapping})"
-
-
-async def continuation_of(url: str) -> str:
-    """Which engine the server is and whether it continues an answer, asked as the addon
-    asks a fallback (addon/servers/directory.py, proof.py)."""
+async def ask_servers(urls: list[str]) -> dict[str, ServerInfo | str]:
+    """What the addon learns of each server, asked as it asks a fallback
+    (addon/servers/directory.py, proof.py); a spillover proxy given by mistake is named."""
     directory = ServerDirectory()
+    found: dict[str, ServerInfo | str] = {}
     try:
-        info = await directory.probe(Upstream(url), generate=True)
+        for url in urls:
+            try:
+                status = httpx.get(f"{url}/spillover/status", timeout=2)
+                if status.status_code == 200 and "servers" in status.json():
+                    found[url] = "a spillover proxy, not a server: give the servers behind it"
+                    continue
+            except (httpx.HTTPError, ValueError):
+                pass
+            found[url] = await directory.probe(Upstream(url), generate=True)
     finally:
         await directory.close()
+    return found
+
+
+def describe_server(url: str, info: ServerInfo | str, cards: CardMap) -> str:
+    if isinstance(info, str):
+        return f"{MISSING}{url}: {info}"
+    if info.engine == "openai-compatible" and not info.models:
+        return f"{MISSING}{url}: answers neither /props nor /v1/models; is it running?"
+    context = f"{info.slot_context} ctx/slot" if info.slot_context else "context per slot unknown"
+    model = Path(info.model or "?").name
+    mapping = cards.mapping_of(url)
+    on = ", ".join(sorted(mapping.cards)) or "none known"
+    return f"{OK}{url}: {info.engine}, {model}, {context}; cards: {on} (by {mapping})"
+
+
+def slot_warnings(infos: dict[str, ServerInfo | str]) -> list[str]:
+    """A fallback whose slots hold less than the primary's (the first server) takes only
+    answers cut early: the rest of a long one does not fit."""
+    known = {u: i.slot_context for u, i in infos.items() if isinstance(i, ServerInfo)}
+    primary, *fallbacks = list(infos)
+    mine = known.get(primary)
+    warnings = []
+    for url in fallbacks:
+        theirs = known.get(url)
+        if mine and theirs and theirs < mine:
+            warnings.append(
+                f"WARNING: {url} has {theirs} tokens per slot, fewer than the primary's {mine}: "
+                "an answer cut late does not fit there (a slot is llama-server's --ctx-size "
+                "divided by --parallel; a continuation needs the prompt, the answer so far "
+                "and what is left of max_tokens)"
+            )
+    return warnings
+
+
+def continuation_of(url: str, info: ServerInfo | str) -> str:
+    """Which engine the server is and whether (and how) it continues an answer."""
+    if isinstance(info, str):
+        return f"{MISSING}{url}: {info}"
     said = (
         f"continues an answer, asked by {info.continues_by}"
         if info.continues
@@ -145,14 +180,19 @@ def main() -> None:
         print(f"  {line}")
 
     servers = [s.strip().rstrip("/") for s in args.servers.split(",") if s.strip()]
-    if servers:
-        print("\nservers")
+    print("\nservers")
+    if not servers:
+        print(f"  {MISSING}none given: pass --servers PRIMARY,FALLBACK,... (the primary first)")
+    else:
         cards = card_map(parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root)
+        infos = asyncio.run(ask_servers(servers))
         for url in servers:
-            print("  " + describe_server(url, cards))
-        print("\nwhich servers may continue an answer (a trailing assistant message left open)")
+            print("  " + describe_server(url, infos[url], cards))
+        for warning in slot_warnings(infos):
+            print(f"  {warning}")
+        print("\nwhich servers may continue an answer, and how (see README: Other engines)")
         for url in servers:
-            print("  " + asyncio.run(continuation_of(url)))
+            print("  " + continuation_of(url, infos[url]))
         if args.slot_dir is not None:
             print(f"\nKV migration (slots saved in {args.slot_dir})")
             for line in migration_lines(servers, args.slot_dir):

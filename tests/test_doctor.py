@@ -35,12 +35,31 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
     assert "\nhotplug\n" in out and "no display-class PCI device here" in out
     assert "--  nvml: NVML unavailable" in out or "ok  nvml" in out
     assert (
-        f"ok  {primary.url}: primary.gguf, 1024 ctx/slot; cards: drm:card0 "
+        f"ok  {primary.url}: llama-server, primary.gguf, 1024 ctx/slot; cards: drm:card0 "
         "(by explicit: spillover_cards)"
     ) in out
-    assert "http://127.0.0.1:9: not answering /props" in out
+    assert "--  http://127.0.0.1:9: answers neither /props nor /v1/models; is it running?" in out
     assert (
         f"ok  {primary.url}: llama-server; continues an answer, asked by a trailing "
         "assistant message: its template leaves" in out
     )
     assert "--  http://127.0.0.1:9: openai-compatible; continues no answer that sent text" in out
+
+
+def doctor(*args: str) -> str:
+    run = [sys.executable, "-m", "scripts.doctor", *args]
+    return subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def test_doctor_warns_of_small_fallback_slots_and_names_a_proxy(
+    start_server, start_proxy, primary: LlamaServer
+) -> None:
+    small = start_server("fallback", ctx_size=1024, slots=4)  # 256 tokens per slot
+    proxy = start_proxy(primary.url, [small.url])
+    out = doctor("--servers", f"{primary.url},{small.url},{proxy.url}")
+    assert (
+        f"WARNING: {small.url} has 256 tokens per slot, fewer than the primary's 1024: an "
+        "answer cut late does not fit there"
+    ) in out
+    assert f"--  {proxy.url}: a spillover proxy, not a server: give the servers behind it" in out
+    assert "none given" in doctor("--sysfs-root", "/nonexistent")
