@@ -84,35 +84,41 @@ def test_a_stall_with_nowhere_to_go_ends_with_an_error(start_server, start_proxy
 
 
 def test_a_slowed_primary_is_left_for_the_fallback(start_server, start_proxy) -> None:
-    # 4,096-token slots: room for the whole answer on either server.
-    primary = start_server("primary", ctx_size=16384)
-    fallback = start_server("fallback", ctx_size=16384)
+    """The primary runs at full speed for a whole pace window, then 20 times slower. The
+    slowdown starts on a timer, not on what the client has read (a loaded machine's
+    client lags, and the primary had written the whole answer by the client's 60th
+    chunk), and the answer is sized by the primary's own speed, measured first, so it
+    is still being written then on a fast machine or a slow one."""
+    primary = start_server("primary", ctx_size=16384, slots=1)
+    fallback = start_server("fallback", ctx_size=16384, slots=1)
+    started = time.monotonic()
+    httpx.post(f"{primary.url}/completion", json={"prompt": "x", "n_predict": 400,
+               "temperature": 0, "ignore_eos": True}, timeout=60)  # fmt: skip
+    per_s = 400 / (time.monotonic() - started)
+    fast_s = 1.5  # the window is 1 s
+    tokens = min(15000, int(per_s * fast_s) + 1500)
     options = ["spillover_slow_percent=25", "spillover_slow_window_s=1"]
     proxy = start_proxy(primary.url, [fallback.url], options=options)
-    slowed, done = threading.Event(), threading.Event()
+    done = threading.Event()
 
     def duty_cycle() -> None:
         """Runs the primary 10 ms in every 200: about 20 times slower."""
-        slowed.set()
         while not done.is_set():
             _stop(primary)
             time.sleep(0.19)
             _resume(primary)
             time.sleep(0.01)
 
-    cycler = threading.Thread(target=duty_cycle)
-
-    def on_chunk(n: int) -> None:
-        if n == 60:  # early: a fast primary must not have sent the whole answer already
-            cycler.start()
-
+    cycler = threading.Timer(fast_s, duty_cycle)
     try:
-        stream = read_stream(proxy.url, chat_body(3000), on_chunk=on_chunk, timeout=30)
+        cycler.start()
+        stream = read_stream(proxy.url, chat_body(tokens), timeout=60)
     finally:
         done.set()
-        if slowed.is_set():
+        cycler.cancel()
+        if cycler.is_alive():
             cycler.join()
         _resume(primary)
     moved = f"{primary.url} -> {fallback.url}"
-    assert_left_once(stream, 3000, moved, "events/s over 1 s, down from")
+    assert_left_once(stream, tokens, moved, "events/s over 1 s, down from")
     assert_counted(proxy, "slow")

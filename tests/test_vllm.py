@@ -195,6 +195,56 @@ def test_a_reasoning_answer_is_not_continued_by_a_way_proven_on_plain_answers(
     assert f"{rendering.url} continues by a rendered prompt on /v1/completions, {said}" in message
 
 
+@pytest.fixture(scope="module")
+def vllm_twin(vllm: VllmServer, server_logs: Path) -> Iterator[VllmServer]:
+    """A second vLLM on the same model: the same tokenizer, so ids move between them."""
+    twin = VllmServer(vllm.model_dir, log_dir=server_logs).start(timeout=300)
+    yield twin
+    twin.stop()
+
+
+def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
+    start_proxy, vllm: VllmServer, vllm_twin: VllmServer
+) -> None:
+    """The first leg is asked for its ids (return_token_ids), which the client never sees;
+    the twin goes on from its own ids of the prompt and the answer's, exactly as it goes
+    on when asked directly."""
+    proxy = start_proxy(vllm.url, [vllm_twin.url])
+    known = proxy.servers_known()
+    assert (
+        known[vllm.url]["tokenizer"]
+        and known[vllm.url]["tokenizer"] == known[vllm_twin.url]["tokenizer"]
+    )
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model=SERVED_NAME),
+        on_chunk=lambda n: n == 20 and httpx.post(f"{proxy.url}/spillover/handoff"),
+    )  # fmt: skip
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{vllm.url} -> {vllm_twin.url}" in note and "replayed as token ids" in note
+    assert not any("token_ids" in chunk for chunk in stream.chunks)
+    assert not any("token_ids" in choice for c in stream.chunks for choice in c["choices"])
+    before, after = stream.segments
+    # vLLM's own answer, with its ids, asked directly: the part before the cut is the
+    # first leg's, and the twin, given the prompt's ids and the first ids, goes on so.
+    whole = httpx.post(
+        f"{vllm.url}/v1/chat/completions",
+        json={**chat_body(LONG, model=SERVED_NAME), "stream": False, "return_token_ids": True},
+        timeout=120,
+    ).json()  # fmt: skip
+    prompt, ids = whole["prompt_token_ids"], whole["choices"][0]["token_ids"]
+    assert whole["choices"][0]["message"]["content"].startswith(before)
+    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    cut = handoff["at_token"]  # the ids delivered (a chunk may carry more than one)
+    direct = httpx.post(
+        f"{vllm_twin.url}/v1/completions",
+        json={"model": SERVED_NAME, "prompt": prompt + ids[:cut], "max_tokens": LONG - cut,
+              "temperature": 0},
+        timeout=120,
+    ).json()["choices"][0]["text"]  # fmt: skip
+    assert after == direct
+
+
 def test_a_killed_vllm_primary_is_continued_by_llama_server(
     start_proxy, vllm: VllmServer, fallback: LlamaServer
 ) -> None:

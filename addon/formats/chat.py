@@ -72,7 +72,7 @@ class ChatReader:
             if chunk is None:
                 return []
         pieces = None
-        if self.strip_pieces and (changed or b'"logprobs"' in event):
+        if self.strip_pieces and (changed or b'"logprobs"' in event or b'"token_ids"' in event):
             pieces = take_pieces(chunk, strip=True)
             changed = True
         if changed:

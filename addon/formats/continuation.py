@@ -17,6 +17,13 @@ from addon.formats.transcript import Transcript
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
+# Chat request fields that have no meaning for a text completion of a rendered prompt.
+CHAT_ONLY = (
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
+    "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "n",
+    "reasoning_format", "add_generation_prompt", *TOKEN_LIMIT_FIELDS,
+)  # fmt: skip
+
 
 def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
     """The original request, continued from what the client already has."""

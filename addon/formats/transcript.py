@@ -11,6 +11,10 @@ from typing import Any
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 
 
+class TokenIds(list):
+    """Pieces from a chunk's `token_ids` (vLLM's): the chunk's text is its first piece's."""
+
+
 @dataclass
 class LegUsage:
     server: str
@@ -34,6 +38,7 @@ class Transcript:
     # The token ids behind the delivered text, while every leg has reported them.
     ids: list[int] | None = field(default_factory=list)
     id_bytes: bytearray = field(default_factory=bytearray)
+    ids_ahead: bool = False  # the last ids came without their text (vLLM holds it back)
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
     _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
@@ -69,7 +74,7 @@ class Transcript:
     def exact_ids(self) -> list[int] | None:
         """The ids of the delivered answer, when they are known and spell exactly the
         delivered text (a token whose text a server held back fails this: fail closed)."""
-        if self.ids is None or bytes(self.id_bytes) != self.text.encode():
+        if self.ids is None or self.ids_ahead or bytes(self.id_bytes) != self.text.encode():
             return None
         return self.ids
 
@@ -125,20 +130,48 @@ class Transcript:
         for token, data in pieces:
             self.ids.append(token)
             self.id_bytes += data
+        if pieces:
+            self.ids_ahead = not any(data for _, data in pieces)
+        if isinstance(pieces, TokenIds):
+            # A vLLM chunk may carry more tokens than its one delta (when its API server
+            # falls behind), or a token whose text it holds back: its ids count them.
+            said = sum(
+                bool((c.get("delta") or {}).get("content") or c.get("text"))
+                for c in chunk.get("choices") or ()
+            )
+            if (more := len(pieces) - said) > 0:
+                self.produced += more
+                self.legs[-1].completion_tokens += more
 
 
 def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
-    """The token pieces a chat chunk carries in its logprobs (None when it carries none);
-    with `strip`, the logprobs are removed from the chunk."""
+    """The token pieces a chat chunk carries (None when it carries none): llama-server's
+    in its logprobs, each token with its bytes; vLLM's as `token_ids`, the chunk's text
+    given to its first. With `strip`, they are removed from the chunk."""
     pieces: list[Piece | None] | None = None
+    if strip:
+        chunk.pop("prompt_token_ids", None)
     for choice in chunk.get("choices") or ():
+        token_ids = choice.pop("token_ids", None) if strip else choice.get("token_ids")
+        if isinstance(token_ids, list):
+            pieces = TokenIds([*(pieces or []), *_id_pieces(choice, token_ids)])
+            continue
         logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
     known = [piece for piece in pieces or () if piece is not None]
     if pieces is None or len(known) != len(pieces):
         return None  # none, or in a form without ids: the text is what can be replayed
-    return known
+    return TokenIds(known) if isinstance(pieces, TokenIds) else known
+
+
+def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
+    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    pieces: list[Piece | None] = []
+    for index, token in enumerate(token_ids):
+        data = text.encode() if index == 0 else b""
+        pieces.append((token, data) if isinstance(token, int) else None)
+    return pieces
 
 
 def _piece(entry: Any) -> Piece | None:

@@ -16,19 +16,13 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from addon.formats.continuation import TOKEN_LIMIT_FIELDS, ChunkRewriter, token_limit
+from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import constraint_of, positive_int
+from addon.handoff import exact_vllm
 from addon.servers.upstream import Upstream
 
 if TYPE_CHECKING:
     from addon.servers.directory import ServerDirectory
-
-# Chat request fields that have no meaning for a native /completion of a rendered prompt.
-CHAT_ONLY = (
-    "messages", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
-    "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "n",
-    "reasoning_format", "add_generation_prompt", *TOKEN_LIMIT_FIELDS,
-)  # fmt: skip
 
 
 def eligible(path: str, body: dict[str, Any]) -> bool:
@@ -82,16 +76,22 @@ def first_leg_asks(
 ) -> tuple[bool, bool, bytes]:
     """Whether the first leg asks for token ids (another server on the ladder shares its
     tokenizer and could replay them), whether they are taken out again before the client
-    sees them (it did not ask for them itself), and the first leg's request body."""
-    wants = client_wants_logprobs(body)
+    sees them (it did not ask for them itself), and the first leg's request body. Asked
+    in the first server's engine's own terms (llama-server's logprobs, vLLM's ids)."""
+    vllm = servers is not None and servers.get(ladder[0]).engine == exact_vllm.ENGINE
+    wants = exact_vllm.client_wants_ids(body) if vllm else client_wants_logprobs(body)
+    may_ask = exact_vllm.may_ask_for_ids(body) if vllm else may_ask_for_ids(body)
     asks = (
         servers is not None
         and eligible(path, body)
-        and (wants or may_ask_for_ids(body))
+        and (wants or may_ask)
         and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
     )
     strips = asks and not wants
-    return asks, strips, json.dumps(asking_for_ids(body)).encode() if strips else raw_body
+    if not strips:
+        return asks, strips, raw_body
+    asked = exact_vllm.asking_for_ids(body) if vllm else asking_for_ids(body)
+    return asks, strips, json.dumps(asked).encode()
 
 
 def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
 from addon.formats.template import NoTemplate
 from addon.formats.transcript import Transcript
-from addon.handoff import rendered
+from addon.handoff import exact_vllm, rendered
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.servers.directory import ServerDirectory
@@ -86,8 +86,8 @@ class NextLeg:
         Raises CannotContinue."""
         native = await self._exact(upstream)
         if native is not None:
-            body, rewriter = native
-            path, replay = "/completion", "token ids"
+            path, body, rewriter = native
+            replay = "token ids"
         elif (why := self._unproven_for_reasoning(upstream)) is not None:
             raise CannotContinue(why)
         elif (completion := self._text_completion(upstream)) is not None:
@@ -163,17 +163,35 @@ class NextLeg:
             return None
         return prompt, ids
 
-    async def _exact(self, upstream: Upstream) -> tuple[dict, Rewriter] | None:
-        """A native request that goes on from the delivered token ids (see `_exact_start`)."""
+    async def _exact(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
+        """A request that goes on from the delivered token ids, in the target engine's
+        terms (see `_exact_start` and exact_vllm.py)."""
+        servers = self._servers
+        if servers is not None and servers.get(upstream).engine == exact_vllm.ENGINE:
+            return await self._exact_on_vllm(upstream)
         if (start := await self._exact_start(upstream)) is None:
             return None
-        servers = self._servers
         assert servers is not None
         prompt, ids = start
         body = native_body(self.body, prompt, ids, self.transcript.produced)
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage, replayed=len(ids))
-        return body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+        return "/completion", body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+
+    async def _exact_on_vllm(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
+        servers = self._servers
+        assert servers is not None
+        if not self.asks_ids or not self.transcript.content or self.transcript.reasoning:
+            return None
+        if not servers.same_tokenizer(self.primary, upstream):
+            return None
+        if (ids := self.transcript.exact_ids()) is None:
+            return None
+        if (prompt := await servers.prompt_ids(upstream, self.body)) is None:
+            return None
+        body = exact_vllm.native_body(self.body, prompt + ids, self.transcript.produced)
+        rewriter = rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
+        return exact_vllm.PATH, body, rewriter
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering

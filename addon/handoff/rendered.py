@@ -11,10 +11,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from addon.formats.continuation import ChunkRewriter, token_limit
+from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import mapping, text_of
 from addon.formats.template import ChatTemplate
-from addon.handoff.exact import CHAT_ONLY
 
 PATH = "/v1/completions"
 

@@ -230,7 +230,7 @@ class ServerDirectory:
         # rest fills in as it is answered.
         self.info[upstream] = info
         try:
-            info.tokenizer = await self._tokenizer(upstream, models)
+            info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             _unanswered(upstream, info, "/tokenize", exc)
         if generate:
@@ -309,9 +309,15 @@ class ServerDirectory:
         mine = self.get(a).tokenizer
         return mine is not None and mine == self.get(b).tokenizer
 
-    async def _tokenizer(self, upstream: Upstream, models: Any) -> str | None:
-        """A fingerprint of the model's tokenizer, from its vocabulary's kind and size
-        (llama-server's `/v1/models` says them) and the ids it makes of a probe text."""
+    async def _tokenizer(self, upstream: Upstream, info: ServerInfo, models: Any) -> str | None:
+        """A fingerprint of the model's tokenizer, from its engine, its vocabulary's kind
+        and size (llama-server's `/v1/models` says them) and the ids it makes of a probe
+        text (two engines' ids never count as the same: their tokenizers differ)."""
+        if info.engine == "vllm" and info.model:
+            request = {"model": info.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+            ids = (await self._ask(upstream, "/tokenize", request))["tokens"]
+            fingerprint = f"vllm/{ids}"
+            return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
         entries = mapping(models).get("data") or [None]
         meta = mapping(mapping(entries[0]).get("meta"))
         if "n_vocab" not in meta:
@@ -319,6 +325,19 @@ class ServerDirectory:
         ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
         fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
         return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+    async def prompt_ids(self, upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
+        """The chat request's prompt as token ids, where the engine's tokenize route
+        renders messages (vLLM), opening the assistant's turn."""
+        opened = {**body, "add_generation_prompt": True, "model": self.get(upstream).model}
+        request = engines.chat_tokenize_request(self.get(upstream).engine or "", opened)
+        if request is None:
+            return None
+        try:
+            tokens = (await self._ask(upstream, *request))["tokens"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return tokens if isinstance(tokens, list) else None
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """The chat request's prompt as this server's template renders it."""

@@ -66,6 +66,9 @@ class Exchange:
         return f"spillover {what} to {self.server}: {self.outcome}{why}"
 
 
+STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class RecordingTransport(httpx.AsyncBaseTransport):
     """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
 
@@ -82,7 +85,12 @@ class RecordingTransport(httpx.AsyncBaseTransport):
             purpose="question",
         )  # fmt: skip
         try:
-            response = await self._inner.handle_async_request(request)
+            try:
+                response = await self._inner.handle_async_request(request)
+            except STALE_CONNECTION:
+                # A kept-alive connection the server closed meanwhile (servers close idle
+                # ones; some after every answer): asked once more, on a new connection.
+                response = await self._inner.handle_async_request(request)
             body = await response.aread()
         except Exception as exc:
             exchange.end("failed", repr(exc))

@@ -60,7 +60,7 @@ STREAM_HEAD = (
 )
 
 
-NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
 # It stands in for llama-server: its model list says so, and it renders a chat as the
 # tiny models' ChatML template does, a trailing assistant message left open (what the
 # addon checks before it lets a server continue an answer: addon/servers/proof.py).

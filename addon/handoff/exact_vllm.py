@@ -1,0 +1,44 @@
+"""Token-exact replay between vLLM servers: the first leg is asked for the ids behind its
+text (`return_token_ids`, taken out again unless the client asked for them), and the
+next vLLM goes on from its own token ids of the chat prompt (its `/tokenize` renders the
+messages) followed by the answer's ids, as a token-id prompt on `/v1/completions`.
+
+vLLM holds back text (half of a character, the start of a stop string) while its ids go
+out: the transcript treats ids whose text has not arrived as unknown (fail closed), and
+an answer with stop strings is replayed as text.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from addon.formats.continuation import CHAT_ONLY, token_limit
+
+ENGINE = "vllm"
+PATH = "/v1/completions"
+
+
+def may_ask_for_ids(body: dict[str, Any]) -> bool:
+    """Whether asking for ids changes nothing the client decides: it did not set
+    `return_token_ids` itself, and no stop string makes vLLM hold text back."""
+    return "return_token_ids" not in body and not body.get("stop")
+
+
+def client_wants_ids(body: dict[str, Any]) -> bool:
+    return body.get("return_token_ids") is True
+
+
+def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "return_token_ids": True}
+
+
+def native_body(body: dict[str, Any], prompt: list[int], produced: int) -> dict[str, Any]:
+    """A text completion that goes on from `prompt` (the chat prompt's ids, then the
+    answer's), with the chat request's sampling settings."""
+    native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
+    native |= {"prompt": prompt, "stream": True}
+    native.pop("return_token_ids", None)
+    if (limit := token_limit(body)) is not None:
+        native["max_tokens"] = max(1, limit - produced)
+    return native
