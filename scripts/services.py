@@ -103,11 +103,25 @@ def guard_unit(listen: str, proxy_port: int, primary: str, public: bool) -> str:
     )
 
 
-def systemctl(*args: str) -> None:
+def systemctl(*args: str) -> str | None:
+    """Run `systemctl --user`; why it could not, or None."""
     if shutil.which("systemctl") is None:
-        print("services: no systemctl here; start the services yourself")
-        return
-    subprocess.run(["systemctl", "--user", *args], check=True)
+        return "no systemctl here"
+    run = subprocess.run(["systemctl", "--user", *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        said = (run.stderr or run.stdout).strip().splitlines()
+        return f"systemctl --user {args[0]} failed ({said[0] if said else run.returncode})"
+    return None
+
+
+def by_hand(units: Path) -> str:
+    """How to start what the units start, without a service manager."""
+    commands = []
+    for unit in UNITS:
+        for line in (units / unit).read_text().splitlines():
+            if line.startswith("ExecStart="):
+                commands.append(line.removeprefix("ExecStart="))
+    return "\n".join(f"    cd {REPO} && {command} &" for command in commands)
 
 
 def install(args: argparse.Namespace) -> None:
@@ -121,6 +135,13 @@ def install(args: argparse.Namespace) -> None:
         ensure_token()
     if options.exists():
         print(f"services: keeping {options} as it is")
+        kept = options.read_text()
+        given = [args.primary, *filter(None, args.fallbacks.split(","))]
+        if missing := [url for url in given if url not in kept]:
+            print(
+                f"services: WARNING: {options} does not name {', '.join(missing)}, given now: "
+                "edit it, or uninstall --purge and install again"
+            )
         if public and "spillover_control_token" not in options.read_text():
             print(
                 f"services: the guard checks the proxy with the token in {token_file()}: "
@@ -133,8 +154,11 @@ def install(args: argparse.Namespace) -> None:
     (units / UNITS[1]).write_text(guard_unit(args.listen, args.proxy_port, args.primary, public))
     print(f"services: wrote {', '.join(str(units / u) for u in UNITS)}")
     if not args.no_start:
-        systemctl("daemon-reload")
-        systemctl("enable", "--now", *UNITS)
+        why = systemctl("daemon-reload") or systemctl("enable", "--now", *UNITS)
+        if why is not None:
+            print(f"services: not started: {why}; this machine has no user systemd to run them.")
+            print(f"services: start them by hand:\n{by_hand(units)}")
+            return
         print(f"services: clients use {args.listen}; the proxy listens on {args.proxy_port}")
 
 
@@ -146,8 +170,8 @@ def uninstall(args: argparse.Namespace) -> None:
         (units / unit).unlink(missing_ok=True)
     if args.purge:
         shutil.rmtree(config_home() / "spillover", ignore_errors=True)
-    if not args.no_start:
-        systemctl("daemon-reload")
+    if not args.no_start and (why := systemctl("daemon-reload")) is not None:
+        print(f"services: {why}")
     print("services: removed" + (" with the options file" if args.purge else ""))
 
 

@@ -157,3 +157,30 @@ def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
             process.wait(timeout=10)
     services(config, "uninstall", "--no-start", "--purge")
     assert not token_path.exists()
+
+
+def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path) -> None:
+    """A stand-in `systemctl` that fails as it does on a machine with no user bus (the
+    real one would start services on a machine that has one)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    fake.write_text("#!/bin/sh\necho 'Failed to connect to bus: No medium found' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:9"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0 and "Traceback" not in run.stderr
+    assert (
+        "not started: systemctl --user daemon-reload failed (Failed to connect to bus" in run.stdout
+    )
+    assert "start them by hand:" in run.stdout and " --set confdir=" in run.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:7",
+         "--no-start"],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "WARNING:" in again and "does not name http://127.0.0.1:7, given now" in again
