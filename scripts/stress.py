@@ -141,12 +141,17 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("where", choices=("ram", "gpu"))
+    parser.add_argument(
+        "where", choices=("ram", "gpu"),
+        help="ram: this machine's memory; gpu: an NVIDIA card's, through the CUDA driver",
+    )  # fmt: skip
     parser.add_argument("--card", type=int, default=0, help="gpu: the CUDA device index")
-    parser.add_argument("--step-mib", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--every-s", type=float, default=0.5, help="between steps")
-    parser.add_argument("--hold-s", type=float, default=30.0)
+    parser.add_argument("--step-mib", type=int, default=1024, help="MiB taken per step")
+    parser.add_argument("--steps", type=int, default=1, help="how many steps")
+    parser.add_argument("--every-s", type=float, default=0.5, help="seconds between steps")
+    parser.add_argument(
+        "--hold-s", type=float, default=30.0, help="seconds the memory is held, then given back"
+    )
     args = parser.parse_args()
     try:
         hog: RamHog | CudaHog = RamHog() if args.where == "ram" else CudaHog(args.card)

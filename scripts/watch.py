@@ -9,6 +9,7 @@ redraws every `--every-s`; `q` quits.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -128,12 +129,14 @@ class LiveView:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proxy", default="http://127.0.0.1:8090")
+    parser.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
     parser.add_argument(
         "--token", help="the control token (spillover_control_token; @/path reads a file)"
     )
-    parser.add_argument("--every-s", type=float, default=0.5)
+    parser.add_argument("--every-s", type=float, default=0.5, help="seconds between redraws")
     args = parser.parse_args()
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        parser.exit(2, "watch: it draws on a terminal: run it in one (or GET /spillover/status)\n")
     token = read_secret(args.token) if args.token else None
     LiveView(args.proxy.rstrip("/"), token, args.every_s).run()
 

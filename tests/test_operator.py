@@ -4,6 +4,7 @@ its log says what happened to answers (a real mitmdump each time)."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -89,3 +90,12 @@ def test_a_handoff_whose_next_leg_failed_is_listed_as_it_is_counted(start_server
     )
     metrics = httpx.get(f"{proxy.url}/spillover/metrics").text
     assert 'spillover_handoffs_total{kind="failure"} 1.0' in metrics
+
+
+def test_the_live_view_without_a_terminal_says_it_needs_one() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "scripts.watch"], stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "it draws on a terminal" in run.stderr
+    assert "Traceback" not in run.stderr
