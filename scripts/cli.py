@@ -1,0 +1,89 @@
+"""The `spillover` command: the proxy and its tools under one name.
+
+    spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
+    spillover status [--proxy URL]
+    spillover doctor | watch | stress | services | guard ...   (each with --help)
+
+`run` starts mitmdump with the addon in front of the primary, so a person need not know
+where the addon's file is; what follows `--` goes to mitmdump as it is (`--set
+spillover_cards=...`, `-w flows.mitm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+
+ADDON = Path(__file__).resolve().parent.parent / "addon" / "spillover.py"
+TOOLS = {
+    "doctor": ("scripts.doctor", "what this machine offers the addon, and what is missing"),
+    "watch": ("scripts.watch", "a live view of the proxy's cards, servers and answers"),
+    "stress": ("scripts.stress", "make real memory pressure, to watch a handoff happen"),
+    "services": ("scripts.services", "run the proxy and its guard as systemd user services"),
+    "guard": ("scripts.guard", "pass clients to the primary while the proxy is down"),
+}
+
+
+def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    mitmdump = shutil.which("mitmdump", path=str(Path(sys.executable).parent)) or "mitmdump"
+    argv = [
+        mitmdump, "-s", str(ADDON),
+        "--mode", f"reverse:{args.primary.rstrip('/')}@{args.listen_host}:{args.port}",
+        "--set", f"spillover_fallbacks={args.fallbacks}",
+    ]  # fmt: skip
+    return argv + [arg for arg in extra if arg != "--"]
+
+
+def status(proxy: str, token: str | None) -> int:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        reply = httpx.get(f"{proxy.rstrip('/')}/spillover/status", headers=headers, timeout=5)
+    except httpx.HTTPError as exc:
+        print(f"spillover status: no proxy at {proxy} ({exc.__class__.__name__})", file=sys.stderr)
+        return 1
+    if reply.status_code != 200 or "servers" not in reply.text:
+        print(f"spillover status: {proxy} is not a spillover proxy (or wants the control token)")
+        return 1
+    print(json.dumps(reply.json(), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="spillover", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False
+    )
+    run.add_argument("--primary", required=True, help="the primary server's URL")
+    run.add_argument("--fallbacks", default="", help="comma-separated fallback URLs, in order")
+    run.add_argument("--listen-host", default="127.0.0.1", help="where clients connect")
+    run.add_argument("--port", type=int, default=8090, help="the port clients connect to")
+    state = commands.add_parser("status", help="what the proxy knows now (GET /spillover/status)")
+    state.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
+    state.add_argument("--token", help="the control token, for a proxy on another machine")
+    for name, (_, said) in TOOLS.items():
+        commands.add_parser(name, help=said, add_help=False)
+    if argv and argv[0] in TOOLS:
+        module = importlib.import_module(TOOLS[argv[0]][0])
+        sys.argv = [f"spillover {argv[0]}", *argv[1:]]
+        module.main()
+        return
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "status":
+        sys.exit(status(args.proxy, args.token))
+    if extra and extra[0] != "--":
+        parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
+    command = mitmdump_argv(args, extra)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
