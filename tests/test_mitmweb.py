@@ -115,7 +115,7 @@ def mitmweb(flows: Path, workdir: Path) -> Iterator[str]:
 def test_spliced_flow_in_mitmweb(tmp_path: Path) -> None:
     browser_binary = chromium()
     if browser_binary is None:
-        if os.environ.get("CI"):  # scripts/setup.sh installs it: its absence is a failure
+        if os.environ.get("CI"):  # scripts/test.sh installs it: its absence is a failure
             pytest.fail("no chromium binary on a CI run (apt-get install chromium)")
         pytest.skip("no chromium binary (apt-get install chromium, or set $CHROMIUM)")
     from playwright.sync_api import Error as PlaywrightError
