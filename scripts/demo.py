@@ -106,9 +106,10 @@ def summary(proxy: Mitmdump, legs: dict[str, int], seen: int) -> str:
     within = handoff.get("detected_within_ms")
     seen_in = f", seen within {within:.0f} ms" if within is not None else ""
     wrote = ", ".join(f"{tokens} from the {name}" for name, tokens in legs.items())
+    paused = handoff.get("pause_ms")
+    waited = f"the client waited {paused:.1f} ms" if paused is not None else "nothing came after"
     return (
-        f"{handoff['kind']} handoff after {handoff['at_token']} tokens{seen_in}; the client "
-        f"waited {handoff['pause_ms']:.1f} ms; {wrote}"
+        f"{handoff['kind']} handoff after {handoff['at_token']} tokens{seen_in}; {waited}; {wrote}"
     )
 
 

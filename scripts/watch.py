@@ -79,9 +79,11 @@ def handoff_lines(status: dict[str, Any]) -> list[Any]:
     for handoff in reversed(status.get("recent_handoffs") or []):
         at = time.strftime("%H:%M:%S", time.localtime(handoff["at"]))
         replay = f", {handoff['replay']}" if handoff.get("replay") else ""
+        paused = handoff.get("pause_ms")
+        pause = f"pause {paused:.1f} ms" if paused is not None else "no byte from it yet"
         rows.append(
             f"  {at}  {handoff['kind']:9} {handoff['source']} -> {handoff['target']}"
-            f" after {handoff['at_token']} tokens, pause {handoff['pause_ms']:.1f} ms{replay}"
+            f" after {handoff['at_token']} tokens, {pause}{replay}"
         )
     return section("recent handoffs", rows, "none yet")
 

@@ -15,6 +15,7 @@ import pytest
 
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import REPO, watch_sysfs
+from scripts.watch import handoff_lines
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 from tests.test_splice import handoff, held
 
@@ -95,3 +96,11 @@ def test_the_view_shows_cards_servers_a_live_answer_and_its_handoff(
         assert not view.alive(), "q did not quit the view"
     finally:
         view.kill()
+
+
+def test_a_handoff_with_no_byte_after_it_yet_is_drawn() -> None:
+    """recent_handoffs lists a handoff as it is decided: its pause comes later, or never."""
+    handoff = {"at": 0, "kind": "failure", "source": "http://a", "target": "http://b"}
+    status = {"recent_handoffs": [{**handoff, "at_token": 40, "pause_ms": None}]}
+    drawn = str(handoff_lines(status))
+    assert "http://a -> http://b after 40 tokens, no byte from it yet" in drawn

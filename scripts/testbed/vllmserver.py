@@ -53,12 +53,30 @@ def _python_311() -> str:
     raise VllmUnavailable("vLLM's CPU build needs Python 3.11 (set VLLM_PYTHON)")
 
 
+# gguf and accelerate: transformers' GGUF loader, for hf_copy.
+WANTED = [PACKAGE, TORCH, "gguf", "accelerate"]
+
+
 def ensure_python() -> Path:
-    """The python of a virtual environment with vLLM installed, installing it if needed."""
+    """The python of a virtual environment with vLLM installed, installing what it lacks
+    (the whole of it once; what was added to WANTED since, on its own)."""
     python = venv() / "bin" / "python"
     done = venv() / ".installed"
-    if done.exists():
+    if done.exists() and done.read_text().split() == WANTED:
         return python
+    wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
+    if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
+        raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
+    if not python.exists():
+        subprocess.run([_python_311(), "-m", "venv", str(venv())], check=True)
+        print(f"vllm: installing {PACKAGE} (once, about 4-10 min)", file=sys.stderr)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--find-links", str(wheels), *WANTED], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-q", "-y", *BREAKS_TRANSFORMERS], check=True
+    )
+    done.write_text(" ".join(WANTED))
+    return python
     wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
     if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
         raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
