@@ -24,6 +24,16 @@ def test_a_mistyped_option_is_refused_with_the_name_it_is_closest_to(tmp_path: P
     assert "spillover: not started; fix the options above" in said
 
 
+def test_an_option_given_twice_is_refused_rather_than_the_addon_left_out() -> None:
+    """mitmproxy fails to load an addon whose option came twice, and runs on without it."""
+    options = ["spillover_fallbacks=http://127.0.0.1:1", "spillover_fallbacks=http://127.0.0.1:2"]
+    proxy = Mitmdump(f"http://127.0.0.1:{free_port()}", options=options)
+    run = subprocess.run(proxy.argv(), capture_output=True, text=True, timeout=60)
+    said = run.stdout + run.stderr
+    assert "spillover_fallbacks is given 3 times" in said  # (the test bed sets it once too)
+    assert "spillover: not started; fix the options above" in said
+
+
 def test_no_fallback_is_a_warning(start_proxy) -> None:
     proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [])
     proxy.stop()

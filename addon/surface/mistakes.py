@@ -2,13 +2,16 @@
 
 mitmproxy keeps an option no addon declared (`--set spillover_fallback=...`, a typo of
 `spillover_fallbacks`) for an addon that may come later, and runs on without it: the
-proxy would carry answers with no fallback and say nothing.
+proxy would carry answers with no fallback and say nothing. An option of the addon's
+given twice (`--set spillover_fallbacks=a --set spillover_fallbacks=b`) fails the
+addon's loading, and mitmproxy runs on without the addon, saying nothing either.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 PREFIX = "spillover_"
 
@@ -23,4 +26,15 @@ def unknown_options(given: Iterable[str], known: Iterable[str]) -> list[str]:
         close = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
         hint = f"; did you mean {PREFIX}{close[0]}?" if close else f"; ours: {', '.join(ours)}"
         said.append(f"unknown option {name}{hint}")
+    return said
+
+
+def given_twice(deferred: Mapping[str, Any]) -> list[str]:
+    """What to say of each `spillover_*` option set more than once on the command line
+    (mitmproxy keeps the values of one not yet declared as a list of strings)."""
+    said = []
+    for name, value in sorted(deferred.items()):
+        values = getattr(value, "val", None)
+        if name.startswith(PREFIX) and isinstance(values, list) and len(values) > 1:
+            said.append(f"{name} is given {len(values)} times ({', '.join(values)}): give it once")
     return said

@@ -26,7 +26,7 @@ from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_leg
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
-from addon.surface.mistakes import unknown_options
+from addon.surface.mistakes import given_twice, unknown_options
 from addon.surface.status import assemble_status
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,11 @@ class Spillover:
             "...unless fewer tokens than this are still to come (when the request says).",
         )  # fmt: skip
         add_access_options(loader)
+        if mistakes := given_twice(ctx.options.deferred):
+            for mistake in mistakes:
+                log.error("spillover: %s", mistake)
+            log.error("spillover: not started; fix the options above")
+            ctx.master.shutdown()
 
     def configure(self, updated: set[str]) -> None:
         fleet, options, running = self.fleet, ctx.options, self._loop is not None
