@@ -112,6 +112,7 @@ class ServerDirectory:
         self._tasks: set[asyncio.Future[None]] = set()
         self._asked: dict[Upstream, float] = {}
         self._probing: set[Upstream] = set()
+        self._reasks: set[asyncio.TimerHandle] = set()
         self._named: dict[str, str] = {}  # server -> the model it is asked in
         self._template_files: dict[str, str] = {}  # server -> its model's template file
         self.templates: dict[Upstream, ChatTemplate] = {}
@@ -167,6 +168,8 @@ class ServerDirectory:
             task.add_done_callback(lambda _, server=upstream: self._probing.discard(server))
 
     async def close(self) -> None:
+        for reask in self._reasks:
+            reask.cancel()
         for task in self._tasks:
             task.cancel()
         if self._client is not None:
@@ -243,6 +246,14 @@ class ServerDirectory:
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
+        if generate and not info.settled:
+            # A fallback that could not be asked is asked again without waiting for
+            # traffic: until it answers, it continues no answer.
+            loop = asyncio.get_running_loop()
+            self._reasks = {h for h in self._reasks if h.when() > loop.time()}  # pending
+            self._reasks.add(
+                loop.call_later(REASK_SECONDS, lambda: self.learn([upstream], fallbacks=True))
+            )
         return info
 
     async def _template(self, upstream: Upstream, info: ServerInfo) -> ChatTemplate | None:
