@@ -6,7 +6,6 @@ other way round, a vLLM primary cut mid-answer is continued by llama-server."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 from collections.abc import Iterator
@@ -16,7 +15,6 @@ import httpx
 import openai
 import pytest
 
-from scripts.testbed.llamabin import CACHE
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
@@ -33,9 +31,8 @@ FINAL = {"continue_final_message": True, "add_generation_prompt": False}
 @pytest.fixture(scope="module")
 def vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
     gguf = models["fallback"]
-    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:12]
     try:
-        model_dir = hf_copy(gguf, CACHE / "hf" / f"fallback-{digest}")
+        model_dir = hf_copy(gguf)
     except VllmUnavailable as why:
         pytest.skip(f"vLLM's CPU build cannot be installed here: {why}")
     server = VllmServer(model_dir, log_dir=server_logs).start(timeout=300)

@@ -10,13 +10,12 @@ an answer with stop strings is replayed as text.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from addon.formats.continuation import CHAT_ONLY, token_limit
+from addon.formats.continuation import token_limit
+from addon.handoff.rendered import text_completion
 
 ENGINE = "vllm"
-PATH = "/v1/completions"
 
 
 def may_ask_for_ids(body: dict[str, Any]) -> bool:
@@ -36,9 +35,7 @@ def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
 def native_body(body: dict[str, Any], prompt: list[int], produced: int) -> dict[str, Any]:
     """A text completion that goes on from `prompt` (the chat prompt's ids, then the
     answer's), with the chat request's sampling settings."""
-    native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
-    native |= {"prompt": prompt, "stream": True}
+    limit = token_limit(body)
+    native = text_completion(body, prompt, None if limit is None else max(1, limit - produced))
     native.pop("return_token_ids", None)
-    if (limit := token_limit(body)) is not None:
-        native["max_tokens"] = max(1, limit - produced)
     return native

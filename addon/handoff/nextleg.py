@@ -146,10 +146,9 @@ class NextLeg:
             body = way.ask(body)
         return body
 
-    async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
-        """The prompt as `upstream` renders it and the delivered token ids, when a
-        continuation there can go on from the ids: they are known and `upstream` reads
-        them as the first server meant them."""
+    def _exact_ids(self, upstream: Upstream) -> list[int] | None:
+        """The delivered token ids, when a continuation on `upstream` can go on from them:
+        they are known and `upstream` reads them as the first server meant them."""
         servers = self._servers
         if not self.asks_ids or servers is None or not self.transcript.content:
             return None
@@ -157,7 +156,12 @@ class NextLeg:
             return None  # a native completion would not split reasoning from content
         if not servers.same_tokenizer(self.primary, upstream):
             return None
-        if (ids := self.transcript.exact_ids()) is None:
+        return self.transcript.exact_ids()
+
+    async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:
+        """The prompt as `upstream` (a llama-server) renders it and the delivered token
+        ids, when a continuation there can go on from the ids (see `_exact_ids`)."""
+        if (ids := self._exact_ids(upstream)) is None:
             return None
         if (prompt := await self._chat_prompt(upstream)) is None:
             return None
@@ -181,17 +185,13 @@ class NextLeg:
     async def _exact_on_vllm(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
         servers = self._servers
         assert servers is not None
-        if not self.asks_ids or not self.transcript.content or self.transcript.reasoning:
-            return None
-        if not servers.same_tokenizer(self.primary, upstream):
-            return None
-        if (ids := self.transcript.exact_ids()) is None:
+        if (ids := self._exact_ids(upstream)) is None:
             return None
         if (prompt := await servers.prompt_ids(upstream, self.body)) is None:
             return None
         body = exact_vllm.native_body(self.body, prompt + ids, self.transcript.produced)
         rewriter = rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
-        return exact_vllm.PATH, body, rewriter
+        return rendered.PATH, body, rewriter
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering

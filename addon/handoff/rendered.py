@@ -20,15 +20,22 @@ PATH = "/v1/completions"
 
 def completion_body(continued: dict[str, Any], template: ChatTemplate) -> dict[str, Any]:
     """The text completion that goes on from `continued`, a chat continuation whose last
-    message is the assistant's answer so far, with the chat request's sampling settings.
-    Raises NoTemplate."""
+    message is the assistant's answer so far. Raises NoTemplate."""
     *earlier, partial = continued["messages"]
     kwargs = mapping(continued.get("chat_template_kwargs"))
     prompt = template.render(earlier, **kwargs) + (text_of(partial.get("content")) or "")
-    body = {k: copy.deepcopy(v) for k, v in continued.items() if k not in CHAT_ONLY}
+    return text_completion(continued, prompt, token_limit(continued))
+
+
+def text_completion(
+    chat: dict[str, Any], prompt: str | list[int], max_tokens: int | None
+) -> dict[str, Any]:
+    """A streamed `/v1/completions` request of `prompt` (text or token ids) with the chat
+    request's sampling settings."""
+    body = {k: copy.deepcopy(v) for k, v in chat.items() if k not in CHAT_ONLY}
     body |= {"prompt": prompt, "stream": True}
-    if (limit := token_limit(continued)) is not None:
-        body["max_tokens"] = limit
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     return body
 
 

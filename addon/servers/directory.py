@@ -238,9 +238,10 @@ class ServerDirectory:
             _unanswered(upstream, info, "/tokenize", exc)
         if generate:
             try:
-                named = None if info.engine == "llama-server" else info.model
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
-                info.echoes_prefill = await self._echoes(upstream, named, way)
+                info.echoes_prefill = await self._echoes(
+                    upstream, self.own_model(upstream, None), way
+                )
             except (httpx.HTTPError, ValueError) as exc:
                 _unanswered(upstream, info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
@@ -340,15 +341,22 @@ class ServerDirectory:
     async def prompt_ids(self, upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
         """The chat request's prompt as token ids, where the engine's tokenize route
         renders messages (vLLM), opening the assistant's turn."""
-        opened = {**body, "add_generation_prompt": True, "model": self.get(upstream).model}
-        request = engines.chat_tokenize_request(self.get(upstream).engine or "", opened)
+        answer = await self._tokenized_chat(upstream, {**body, "add_generation_prompt": True})
+        tokens = mapping(answer).get("tokens")
+        return tokens if isinstance(tokens, list) else None
+
+    async def _tokenized_chat(self, upstream: Upstream, body: dict[str, Any]) -> Any:
+        """The answer of an engine whose tokenize route renders a chat request's messages
+        (see engines.chat_tokenize_request), asked in the server's own model name; None
+        where it has no such route or did not answer."""
+        named = {**body, "model": self.own_model(upstream, body.get("model")) or body.get("model")}
+        request = engines.chat_tokenize_request(self.get(upstream).engine or "", named)
         if request is None:
             return None
         try:
-            tokens = (await self._ask(upstream, *request))["tokens"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return await self._ask(upstream, *request)
+        except (httpx.HTTPError, ValueError):
             return None
-        return tokens if isinstance(tokens, list) else None
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
         """The chat request's prompt as this server's template renders it."""
@@ -379,17 +387,6 @@ class ServerDirectory:
             raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
         return str(text).startswith(MARKER)
 
-    async def _chat_prompt_tokens(self, upstream: Upstream, body: dict[str, Any]) -> int | None:
-        """A chat request's prompt tokens, counted by an engine that renders messages on
-        its tokenize route (see engines.chat_tokenize_request)."""
-        request = engines.chat_tokenize_request(self.get(upstream).engine or "", body)
-        if request is None:
-            return None
-        try:
-            return engines.prompt_count(await self._ask(upstream, *request))
-        except (httpx.HTTPError, ValueError):
-            return None
-
     async def room_needed(
         self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
     ) -> int | None:
@@ -399,7 +396,9 @@ class ServerDirectory:
         the pause)."""
         if bound is not None and bound <= room:
             return bound
-        if (counted := await self._chat_prompt_tokens(upstream, body)) is not None:
+        if (
+            counted := engines.prompt_count(await self._tokenized_chat(upstream, body))
+        ) is not None:
             return counted + (token_limit(body) or 0)
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:

@@ -33,6 +33,16 @@ log = logging.getLogger(__name__)
 PACE_TICK_S = 0.25  # how often live legs are checked for stalls and slowdowns
 
 
+def _refuse_to_start(mistakes: list[str]) -> bool:
+    """Say each mistake in how the proxy was started and stop it; False when there is none."""
+    for mistake in mistakes:
+        log.error("spillover: %s", mistake)
+    if mistakes:
+        log.error("spillover: not started; fix the options above")
+        ctx.master.shutdown()
+    return bool(mistakes)
+
+
 class Spillover:
     def __init__(self) -> None:
         self.endpoint = SpliceEndpoint()
@@ -101,11 +111,7 @@ class Spillover:
             "...unless fewer tokens than this are still to come (when the request says).",
         )  # fmt: skip
         add_access_options(loader)
-        if mistakes := given_twice(ctx.options.deferred):
-            for mistake in mistakes:
-                log.error("spillover: %s", mistake)
-            log.error("spillover: not started; fix the options above")
-            ctx.master.shutdown()
+        _refuse_to_start(given_twice(ctx.options.deferred))
 
     def configure(self, updated: set[str]) -> None:
         fleet, options, running = self.fleet, ctx.options, self._loop is not None
@@ -132,11 +138,7 @@ class Spillover:
             fleet.use_fallbacks(options.spillover_fallbacks.split(","), running)
 
     async def running(self) -> None:
-        if mistakes := unknown_options(ctx.options.deferred, ctx.options.keys()):
-            for mistake in mistakes:
-                log.error("spillover: %s", mistake)
-            log.error("spillover: not started; fix the options above")
-            ctx.master.shutdown()
+        if _refuse_to_start(unknown_options(ctx.options.deferred, ctx.options.keys())):
             return
         self._loop = asyncio.get_running_loop()
         # A dead primary must not fail the client's connection before the request hook

@@ -110,12 +110,17 @@ def pause(api: str, proxy: Mitmdump, tokens: int, extra=None) -> float:
     return max(gaps[19:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(doc: str, name: str) -> tuple[int, int, Path]:
+    """(answers per row, tokens per answer, a working folder) for a side-by-side bench."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
     repeats, tokens = (10, 128) if args.quick else (30, 256)
-    work = Path(tempfile.mkdtemp(prefix="spillover-bench-apis-"))
+    return repeats, tokens, Path(tempfile.mkdtemp(prefix=f"spillover-bench-{name}-"))
+
+
+def main() -> None:
+    repeats, tokens, work = command_line(__doc__, "apis")
     models = ensure_models(work / "models")
     primary = LlamaServer(models["primary"], log_dir=work)
     fallback = LlamaServer(models["fallback"], log_dir=work)

@@ -12,16 +12,11 @@ CPU build on 2 cores writes in bursts: ../shared/FACTS.md section 6).
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import tempfile
-from pathlib import Path
 
 import httpx
 
-from scripts.bench.apis import pause, side_by_side, timed
-from scripts.testbed.llamabin import CACHE
+from scripts.bench.apis import command_line, pause, side_by_side, timed
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.processes import running
@@ -32,14 +27,9 @@ NAMED = {"model": SERVED_NAME}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = parser.parse_args()
-    repeats, tokens = (10, 128) if args.quick else (30, 256)
-    work = Path(tempfile.mkdtemp(prefix="spillover-bench-engines-"))
+    repeats, tokens, work = command_line(__doc__, "engines")
     models = ensure_models(work / "models")
-    digest = hashlib.sha256(models["fallback"].read_bytes()).hexdigest()[:12]
-    vllm = VllmServer(hf_copy(models["fallback"], CACHE / "hf" / f"fallback-{digest}"))
+    vllm = VllmServer(hf_copy(models["fallback"]))
     vllm.log_path = work / "vllm.log"
     llama = LlamaServer(models["fallback"], log_dir=work)
     with running(llama):

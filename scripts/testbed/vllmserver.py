@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import shutil
 import signal
@@ -109,8 +110,11 @@ tokenizer.save_pretrained(target)
 """
 
 
-def hf_copy(gguf: Path, target: Path) -> Path:
-    """A Hugging Face folder vLLM loads, made from `gguf` (its vocabulary, template, weights)."""
+def hf_copy(gguf: Path) -> Path:
+    """A Hugging Face folder vLLM loads, made from `gguf` (its vocabulary, template,
+    weights) once, kept in the cache by the file's contents."""
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:12]
+    target = CACHE / "hf" / f"{gguf.stem}-{digest}"
     if not (target / "config.json").exists():
         argv = [str(ensure_python()), "-c", _CONVERT, str(gguf.parent), gguf.name, str(target)]
         subprocess.run(argv, check=True, capture_output=True, env={**os.environ, **_OFFLINE})
