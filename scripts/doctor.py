@@ -1,12 +1,13 @@
 """What this machine offers the spillover addon, and how to fix what is missing.
 
     .venv/bin/python -m scripts.doctor --servers http://127.0.0.1:8081,http://127.0.0.1:8082 \
-        [--slot-dir DIR]
+        [--slot-dir DIR] [--prometheus http://prometheus:9090]
 
 Memory sources and the cards they see with the pressure lines in force on each, which
 hotplug events this machine will signal, which card each server sits on, with
 `--slot-dir` (as spillover_slot_dir) which servers an answer can move between with its
-KV state and why not, and the llama-server the test bed would use.
+KV state and why not, with `--prometheus` the cards of other hosts and whether their
+readings are fresh, and the llama-server the test bed would use.
 """
 
 from __future__ import annotations
@@ -14,21 +15,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from addon.servers.credentials import read_secret
 from addon.servers.directory import ServerDirectory, ServerInfo
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.upstream import Upstream
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
+from watchers.prometheus import PrometheusSource, parse_selectors
 from watchers.reading import CardFailure, NotApplicable, Reading
 from watchers.sources import ALL, card_map, open_sources
 
 OK, MISSING = "ok  ", "--  "
+GRANT_PERFMON = (
+    "card-wide use needs CAP_PERFMON for the proxy: AmbientCapabilities=CAP_PERFMON in "
+    "its systemd unit, --cap-add PERFMON for a container, or setcap cap_perfmon+ep on its "
+    "Python; until then memory of processes it cannot see is not counted"
+)
 
 
 async def ask_servers(urls: list[str]) -> dict[str, ServerInfo | str]:
@@ -48,6 +57,29 @@ async def ask_servers(urls: list[str]) -> dict[str, ServerInfo | str]:
             found[url] = await directory.probe(Upstream(url), generate=True)
     finally:
         await directory.close()
+    return found
+
+
+def remote_lines(remote: PrometheusSource, lines: Lines) -> list[str]:
+    """Asks once: what each remote card reads, and whether it is fresh enough to trust."""
+    remote.poll()
+    if remote.error is not None:
+        return [f"{MISSING}{remote.url}: {remote.error}: remote cards are unknown"]
+    if not remote.cards:
+        return [f"{MISSING}{remote.url} answers, but holds no memory series of a known exporter"]
+    found = []
+    now = time.monotonic()
+    for reading in remote.read():
+        assert isinstance(reading, Reading)
+        card = remote.cards[reading.card]
+        age, fresh = now - reading.time, reading.fresh_s or 0.0
+        mark = OK if age <= fresh else MISSING
+        state = "fresh" if age <= fresh else "STALE: unknown, not trusted"
+        found.append(
+            f"{mark}{describe_card(reading, lines)} [{card.exporter}, hosts "
+            f"{', '.join(sorted(card.hosts))}; scraped {age:.1f} s ago, fresh for "
+            f"{fresh:.1f} s: {state}]"
+        )
     return found
 
 
@@ -155,6 +187,9 @@ def main() -> None:
     parser.add_argument("--proc-root", type=Path, default=Path("/proc"))
     parser.add_argument("--free-floor-mib", type=int, default=0, help="as spillover_free_floor_mib")
     parser.add_argument("--slot-dir", type=Path, help="as spillover_slot_dir (KV migration)")
+    parser.add_argument("--prometheus", default="", help="as spillover_prometheus")
+    parser.add_argument("--prometheus-token", default="", help="as spillover_prometheus_token")
+    parser.add_argument("--remote-cards", default="", help="as spillover_remote_cards")
     args = parser.parse_args()
 
     lines = Lines(free_floor_mib=args.free_floor_mib)
@@ -168,8 +203,19 @@ def main() -> None:
                 print(f"        {result.card}: cannot be read: {result.error}")
             else:
                 print(f"        {describe_card(result, lines)}")
+                if how := getattr(source, "measured", {}).get(result.card):
+                    print(f"          used: {how}")
+                    if "no CAP_PERFMON" in how:
+                        print(f"          {GRANT_PERFMON}")
     for name, why in missing.items():
         print(f"  {MISSING}{name}: {why}")
+    if args.prometheus:
+        token = read_secret(args.prometheus_token) or None
+        remote = PrometheusSource(args.prometheus, token, interval_s=0)  # asked once, now
+        print(f"\nremote cards (from {args.prometheus})")
+        for line in remote_lines(remote, lines):
+            print(f"  {line}")
+        sources.append(remote)
 
     print("\nhotplug")
     try:
@@ -184,7 +230,10 @@ def main() -> None:
     if not servers:
         print(f"  {MISSING}none given: pass --servers PRIMARY,FALLBACK,... (the primary first)")
     else:
-        cards = card_map(parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root)
+        cards = card_map(
+            parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root,
+            parse_selectors(args.remote_cards),
+        )  # fmt: skip
         infos = asyncio.run(ask_servers(servers))
         for url in servers:
             print("  " + describe_server(url, infos[url], cards))

@@ -48,3 +48,6 @@ fi
 # vLLM's CPU build, the third engine (installed once, about 12 min; where this machine
 # cannot install it, it says why and its tests are skipped with that reason).
 .venv/bin/python -m scripts.testbed.vllmserver >/dev/null
+# Debian's Prometheus and node_exporter for the fleet tests (apt-get, as root; otherwise
+# they are skipped, saying what to install).
+.venv/bin/python -m scripts.testbed.fleet || echo "setup: the fleet tests will be skipped"

@@ -303,7 +303,8 @@ def test_a_real_process_on_no_gpu_is_in_ram() -> None:
             f"http://127.0.0.1:{port}"
         )
     assert mapping.cards == {"ram"} and mapping.how == gates.IN_RAM
-    assert mapping.pids == (os.getpid(),) and f"pid {os.getpid()} (" in mapping.detail
+    # (with the servers earlier tests started, if still running: its descendants)
+    assert os.getpid() in mapping.pids and f"pid {os.getpid()} (" in mapping.detail
 
 
 def test_device_numbers_decide_over_names(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ llama-servers, and memory readings from real files or from the machine's own RAM
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -49,7 +50,10 @@ def test_a_step_on_the_primarys_card_hands_off(
     assert 'spillover_handoffs_total{kind="pressure"} 1.0' in metrics
     assert "spillover_pressure_detection_seconds_count 1.0" in metrics
     assert "spillover_handoff_pause_seconds_count 1.0" in metrics
-    assert 'spillover_card_used_mib{card="drm:card0"} 15041.0' in metrics
+    host = socket.gethostname()
+    assert f'spillover_card_used_mib{{card="drm:card0",host="{host}"}} 15041.0' in metrics
+    assert f'spillover_card_free_mib{{card="drm:card0",host="{host}"}} 1343.0' in metrics
+    assert f'spillover_server_state{{server="{primary.url}",state="pressured"}} 1.0' in metrics
     assert "spillover_live_streams 0.0" in metrics
 
 

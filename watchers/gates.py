@@ -3,7 +3,8 @@
 Found automatically for servers on this machine: listening port -> process -> the cards
 NVML's process lists or the DRM fdinfo counters show it on, else the GPU device files it
 holds open (`watchers.devices`); a server with no GPU device open computes in system RAM.
-An explicit mapping (`spillover_cards`) wins, and is the only way for remote servers.
+An explicit mapping (`spillover_cards`) wins; a server on another host is mapped to the
+cards the fleet's Prometheus shows there (`watchers.prometheus`), or by that mapping.
 `CardMap.mapping_of` says which of these ways each server was mapped, and why not.
 """
 
@@ -42,6 +43,7 @@ PROCESS_LIST = "gpu process list"  # a pid -> cards list that does not say where
 DEVICE_FILES = "device files"  # /dev/nvidia<N>, /dev/dri/renderD<N> or card<N> held open
 IN_RAM = "ram"  # a local process with no GPU device open
 REMOTE = "not on this machine"
+PROMETHEUS = "prometheus"  # a remote server's cards, from the fleet's Prometheus
 NOT_LISTENING = "not listening"
 PERMISSION = "permission"  # the process is there, but its descriptors are not ours to read
 UNSEEN = "unseen"  # the port listens, but no process visible here holds it
@@ -96,10 +98,14 @@ class CardMap:
         *,
         sysfs: Path = Path("/sys"),
         minors: Callable[[], dict[int, str]] = dict,
+        remote: Callable[[str], Mapping] | None = None,
     ) -> None:
         """`gpu_pids` gives pid -> GPU cards it holds (from NVML and fdinfo; a `PidCards`
-        also says which); `minors` gives NVML's /dev/nvidia<N> minor -> card."""
+        also says which); `minors` gives NVML's /dev/nvidia<N> minor -> card; `remote`
+        maps a server on another host (from Prometheus), asked each time: cheap, and
+        its cards appear as Prometheus answers."""
         self.explicit = explicit
+        self.remote = remote
         self._gpu_pids = gpu_pids
         self._minors = minors
         self._proc = proc
@@ -110,6 +116,8 @@ class CardMap:
         server = server.rstrip("/")
         if server in self.explicit:
             return Mapping(frozenset(self.explicit[server]), EXPLICIT, "spillover_cards")
+        if self.remote is not None and urlsplit(server).hostname not in LOCAL_HOSTS:
+            return self.remote(server)
         cached = self._cache.get(server)
         if cached is not None and time.monotonic() - cached[0] < REFRESH_SECONDS:
             return cached[1]

@@ -99,12 +99,18 @@ class MemoryMonitor:
                     state = self.cards.setdefault(result.card, CardState(result.card))
                     if isinstance(result, CardFailure):
                         state.fail(result.error)
+                    elif state.last is not None and result.time == state.last.time:
+                        continue  # a source that reads at its own pace: nothing new
                     elif (crossing := state.observe(result, self.lines)) is not None:
                         fired.append(crossing)
             now = time.monotonic()
             for state in self.cards.values():
-                if state.last is not None and now - state.last.time > self.stale_after:
-                    state.fail(f"stale: no reading for {now - state.last.time:.1f}s")
+                if state.last is None:
+                    continue
+                bound = state.last.fresh_s or self.stale_after
+                if now - state.last.time > bound:
+                    age = now - state.last.time
+                    state.fail(f"stale: no reading for {age:.1f} s (fresh for {bound:g} s)")
             self.next_wait = self._pace()
         for crossing in fired:
             log.warning("memory pressure on %s: %s", crossing.card, crossing.line)
@@ -112,8 +118,8 @@ class MemoryMonitor:
 
     def _pace(self) -> float:
         states = self.cards.values()
-        if any(s.suspect is not None for s in states):
-            return CONFIRM_S
+        if any(s.suspect is not None and s.suspect.fresh_s is None for s in states):
+            return CONFIRM_S  # (a remote card's confirmation comes with its next scrape)
         if any(s.last is None or s.within(self.lines, NEAR_MIB) for s in states):
             return self.interval
         return self.interval * SLOW_FACTOR
@@ -140,6 +146,22 @@ class MemoryMonitor:
             for card in sorted(cards):
                 state = self.cards.get(card)
                 if state is not None and (why := state.pressed(now, dwell_s)) is not None:
+                    return why
+        return None
+
+    def seen(self) -> set[str]:
+        """Every card some source has reported."""
+        with self._lock:
+            return set(self.cards)
+
+    def unknown(self, cards: set[str]) -> str | None:
+        """Why any of these cards cannot be judged now (its reading failed or is stale;
+        or None. A card no source reads is not
+        watched, so not unknown: its server's memory is not this proxy's to judge."""
+        with self._lock:
+            for card in sorted(cards):
+                state = self.cards.get(card)
+                if state is not None and (why := state.unknown()) is not None:
                     return why
         return None
 

@@ -83,7 +83,9 @@ class CardState:
         free, floor = reading.free_mib, lines.floor(reading.total_mib)
         if free is not None and free <= floor:
             return f"{free:,.0f} MiB free (floor {floor:,.0f})"
-        recent = [used for t, used in self.history if reading.time - t <= lines.window_s]
+        # Readings far apart (a remote card's scrapes): the rise between the last ones.
+        window = max(lines.window_s, 2 * (reading.fresh_s or 0.0))
+        recent = [used for t, used in self.history if reading.time - t <= window]
         if recent:
             rise = reading.used_mib - min(recent)
             if rise >= lines.step_mib and (
@@ -141,6 +143,10 @@ class CardState:
         if self.clear_since is not None and now - self.clear_since < dwell_s:
             return f"{self.card}: clear for {now - self.clear_since:.1f} s of {dwell_s:g}"
         return None
+
+    def unknown(self) -> str | None:
+        """Why nothing can be said of the card now (its reading failed or is stale)."""
+        return None if self.error is None else f"{self.card}: unknown ({self.error})"
 
     def fail(self, error: str) -> None:
         """A failed or stale reading: reported, and never part of a decision."""

@@ -13,7 +13,10 @@ class Reading:
     card: str  # e.g. "nvml:0", "drm:card1", "ram"
     used_mib: float
     total_mib: float | None  # None where the source cannot know (DRM fdinfo alone)
-    time: float  # time.monotonic() when read
+    time: float  # time.monotonic() when read (for a remote card: when it was measured)
+    # How long it stays fresh, for a source whose readings arrive at their own pace (a
+    # remote card, scraped every few seconds); None: the monitor's bound for local cards.
+    fresh_s: float | None = None
 
     @property
     def free_mib(self) -> float | None:

@@ -9,6 +9,7 @@ from watchers.fdinfo import FdinfoSource
 from watchers.gates import DRM_FDINFO, NVML_PROCESSES, CardMap, PidCards
 from watchers.meminfo import MeminfoSource
 from watchers.nvml import NvmlSource
+from watchers.prometheus import Matcher, PrometheusSource, remote_mapping
 from watchers.reading import NotApplicable, Source
 from watchers.sysfs import SysfsVramSource
 
@@ -16,13 +17,16 @@ ALL = ("nvml", "sysfs", "fdinfo", "meminfo")
 
 
 def open_sources(
-    names: Iterable[str], sysfs_root: Path = Path("/sys"), proc_root: Path = Path("/proc")
+    names: Iterable[str],
+    sysfs_root: Path = Path("/sys"),
+    proc_root: Path = Path("/proc"),
+    dev_root: Path = Path("/dev"),
 ) -> tuple[list[Source], dict[str, str]]:
     """(sources that apply here, {name: why not} for the others)."""
     factories = {
         "nvml": NvmlSource,
         "sysfs": lambda: SysfsVramSource(sysfs_root),
-        "fdinfo": lambda: FdinfoSource(proc_root, sysfs_root),
+        "fdinfo": lambda: FdinfoSource(proc_root, sysfs_root, dev_root),
         "meminfo": lambda: MeminfoSource(proc_root / "meminfo"),
     }
     sources: list[Source] = []
@@ -62,13 +66,23 @@ def nvml_minors(sources: Iterable[Source]) -> dict[int, str]:
 
 
 def card_map(
-    explicit: dict[str, set[str]], sources: list[Source], proc_root: Path, sysfs_root: Path
+    explicit: dict[str, set[str]],
+    sources: list[Source],
+    proc_root: Path,
+    sysfs_root: Path,
+    selectors: dict[str, list[Matcher]] | None = None,
 ) -> CardMap:
-    """Which cards each server uses, found with every source that can tell."""
+    """Which cards each server uses, found with every source that can tell (remote ones
+    through a Prometheus source, by `selectors` or by host)."""
+    remote = next((s for s in sources if isinstance(s, PrometheusSource)), None)
+    chosen = selectors or {}
     return CardMap(
         explicit,
         lambda: gpu_pids(sources),
         proc_root,
         sysfs=sysfs_root,
         minors=lambda: nvml_minors(sources),
+        remote=None
+        if remote is None
+        else lambda server: remote_mapping(remote, server, chosen.get(server.rstrip("/"))),
     )

@@ -2,7 +2,8 @@
 failed it.
 
 An asked-for handoff goes down the ladder, to servers that are up and not under memory
-pressure (never onto the card that fired). A failed leg goes down too, and failing that
+pressure (never onto the card that fired), those known to be fine first (a server whose
+cards cannot be judged now comes after them). A failed leg goes down too, and failing that
 back up to a server that was left while healthy (on request), and last to one under
 pressure (it may yet survive; an error surely ends the answer): the ladder is not
 one-way, but a server that failed an answer is never tried for it again.
@@ -35,16 +36,14 @@ class Ladder:
     def current(self) -> Upstream:
         return self.servers[self.at]
 
-    def below(self, state: str = "ok") -> list[int]:
+    def below(self, *states: str) -> list[int]:
         """Where an asked-for handoff may go: down the ladder, past servers that failed,
-        to those in `state`."""
-        return [
-            i
-            for i in range(self.at + 1, len(self.servers))
-            if i not in self.failed
-            and self.state(self.servers[i].url) == state
-            and self.admits(self.servers[i])
-        ]
+        to those in `states` (default: ok, then unknown), in that order."""
+        found = {state: [] for state in states or ("ok", "unknown")}
+        for i in range(self.at + 1, len(self.servers)):
+            if i not in self.failed and self.admits(self.servers[i]):
+                found.get(self.state(self.servers[i].url), []).append(i)
+        return [i for rung in found.values() for i in rung]
 
     def after_failure(self) -> int | None:
         """The current server failed the answer: where it goes now, if anywhere."""

@@ -30,7 +30,8 @@ TOKENIZE = {
 
 
 def identify(props: Any, models: Any) -> str:
-    """The engine behind the answers to `/props` and `/v1/models` (None: no answer)."""
+    """The engine behind the answers to `/props` and `/v1/models` ("openai-compatible"
+    where they say no more, or nothing)."""
     if mapping(props).get("role") == "router":
         return ROUTER
     if isinstance(mapping(props).get("default_generation_settings"), dict):

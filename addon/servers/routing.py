@@ -5,11 +5,15 @@
   dwell time (the memory watcher says so);
 - down: it refused a connection, died mid-answer or stalled, or its `GET /health` (asked
   every second) failed; back as soon as /health answers;
-- draining: a person asked (`spillover.drain`); it gets no new request.
+- draining: a person asked (`spillover.drain`); it gets no new request;
+- unknown: a card it uses has no fresh reading (a remote card whose Prometheus does not
+  answer, a series gone stale): not known to be fine, so an ok server is preferred.
 
-A new request starts on the first server of its ladder that is ok, else on the first
-that is up (pressured beats down: it may yet survive). Drop fast, climb slow: the
-primary gets new requests again only once its card has stayed clear for the dwell.
+A new request starts on the first server of its ladder that is ok (a primary that is
+unknown counts as ok: not knowing is no reason to leave it), else on the first unknown,
+else on the first that is up (pressured beats down: it may yet survive). Drop fast,
+climb slow: the primary gets new requests again only once its card has stayed clear for
+the dwell.
 """
 
 from __future__ import annotations
@@ -39,19 +43,23 @@ class Router:
     def __init__(self) -> None:
         # Why a server's cards are not fit for new work (the memory watcher), or None.
         self.pressure: Callable[[str], str | None] = lambda _: None
+        # Why a server's cards cannot be judged now (the memory watcher), or None.
+        self.unknown: Callable[[str], str | None] = lambda _: None
         self.down: dict[str, Down] = {}
         self.draining: set[str] = set()
         self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
         self.seconds_in: dict[tuple[str, str], float] = {}  # (server, state): time spent
 
     def state(self, url: str) -> tuple[str, str | None]:
-        """(ok | pressured | down | draining, why)."""
+        """(ok | unknown | pressured | down | draining, why)."""
         if url in self.draining:
             return "draining", "drained by request"
         if (down := self.down.get(url)) is not None:
             return "down", down.why
         if (why := self.pressure(url)) is not None:
             return "pressured", why
+        if (why := self.unknown(url)) is not None:
+            return "unknown", why
         return "ok", None
 
     def plan(
@@ -61,9 +69,13 @@ class Router:
         start on the primary (None when it does). Servers passed over stay on the ladder
         after it, in their order: an answer can still end up there."""
         states = [self.state(u.url) if may_start(u) else ("closed", None) for u in ladder]
-        ok = [i for i, (state, _) in enumerate(states) if state == "ok"]
-        pressured = [i for i, (state, _) in enumerate(states) if state == "pressured"]
-        start = next(iter(ok + pressured), 0)  # nothing up: the primary, as without the addon
+
+        def where(*wanted: str) -> list[int]:
+            return [i for i, (state, _) in enumerate(states) if state in wanted]
+
+        ok = [0] if states[0][0] == "unknown" else where("ok")
+        # Nothing up: the primary, as without the addon.
+        start = next(iter(ok + where("unknown") + where("pressured")), 0)
         if not start:
             return ladder, None
         state, why = states[0]

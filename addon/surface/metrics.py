@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -11,9 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from addon.handoff.record import Handoff
+from watchers.exporters import REMOTE_PREFIX
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECENT = 20  # handoffs kept for the status (and the live view)
+HOST = socket.gethostname()
 
 
 class Metrics:
@@ -62,18 +65,7 @@ class Metrics:
         live = GaugeMetricFamily("spillover_live_streams", "Answers being carried now.")
         live.add_metric([], len(status.get("live", [])))
         yield live
-        cards = (status.get("memory") or {}).get("cards") or {}
-        used = GaugeMetricFamily(
-            "spillover_card_used_mib", "Memory used per card.", labels=["card"]
-        )
-        total = GaugeMetricFamily("spillover_card_total_mib", "Memory per card.", labels=["card"])
-        for card, state in cards.items():
-            if state.get("used_mib") is not None:
-                used.add_metric([card], state["used_mib"])
-            if state.get("total_mib") is not None:
-                total.add_metric([card], state["total_mib"])
-        yield used
-        yield total
+        yield from self._cards(status)
         reroutes = CounterMetricFamily(
             "spillover_reroutes",
             "New requests started away from the primary, by the primary's state.",
@@ -91,6 +83,31 @@ class Metrics:
         for entry in routing.get("seconds_in") or ():
             spent.add_metric([entry["server"], entry["state"]], entry["seconds"])
         yield spent
+        now = GaugeMetricFamily(
+            "spillover_server_state",
+            "1 for each server's routing state now (ok, unknown, pressured, down, draining).",
+            labels=["server", "state"],
+        )
+        for server, state in (routing.get("states") or {}).items():
+            now.add_metric([server, state["state"]], 1)
+        yield now
+
+    def _cards(self, status: dict[str, Any]):
+        """This machine's cards, with the host they are on, so that another proxy reading
+        them through Prometheus can tell whose they are (remote cards are not passed on)."""
+        cards = (status.get("memory") or {}).get("cards") or {}
+        labels = ["host", "card"]
+        used = GaugeMetricFamily("spillover_card_used_mib", "Memory used per card.", labels=labels)
+        total = GaugeMetricFamily("spillover_card_total_mib", "Memory per card.", labels=labels)
+        free = GaugeMetricFamily("spillover_card_free_mib", "Memory free per card.", labels=labels)
+        for card, state in cards.items():
+            if card.startswith(REMOTE_PREFIX) or state.get("used_mib") is None:
+                continue
+            used.add_metric([HOST, card], state["used_mib"])
+            if state.get("total_mib") is not None:
+                total.add_metric([HOST, card], state["total_mib"])
+                free.add_metric([HOST, card], state["total_mib"] - state["used_mib"])
+        yield from (used, total, free)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

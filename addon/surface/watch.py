@@ -13,11 +13,13 @@ from pathlib import Path
 from mitmproxy import ctx, exceptions
 
 from addon.handoff.record import Sensed
+from addon.servers.credentials import read_secret
 from addon.surface.proxy import Spillover
-from watchers.gates import CardMap, parse_card_map
+from watchers.gates import PROMETHEUS, CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver
 from watchers.monitor import MemoryMonitor
 from watchers.pressure import Crossing, Lines
+from watchers.prometheus import PrometheusSource, parse_selectors
 from watchers.reading import NotApplicable, Source
 from watchers.sources import ALL, card_map, open_sources
 
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 WATCH_OPTIONS = {
     "spillover_watch", "spillover_sources", "spillover_sysfs_root", "spillover_proc_root",
     "spillover_interval_ms", "spillover_free_floor_mib", "spillover_step_mib",
-    "spillover_rearm_mib", "spillover_cards",
+    "spillover_rearm_mib", "spillover_cards", "spillover_prometheus",
+    "spillover_prometheus_token", "spillover_prometheus_interval_ms", "spillover_remote_cards",
 }  # fmt: skip
 
 
@@ -37,6 +40,7 @@ class MemoryWatch:
         self.missing: dict[str, str] = {}
         self.hotplug: HotplugEvents | None = None
         self.sources: list[Source] = []
+        self.remote: PrometheusSource | None = None
         self._udev: UdevObserver | None = None
         self._running = False
 
@@ -75,15 +79,41 @@ class MemoryWatch:
         add(
             "spillover_cards", str, "",
             "Which cards each server uses, e.g. http://127.0.0.1:8081=nvml:0+nvml:1 "
-            "(default: found from the server's process; needed for remote servers).",
+            "(default: found from the server's process, or in spillover_prometheus for remote "
+            "servers).",
+        )  # fmt: skip
+
+        add(
+            "spillover_prometheus", str, "",
+            "A Prometheus server to read the cards of servers on other hosts from "
+            "(e.g. http://prometheus:9090): DCGM, AMD, node_exporter drm, XPU Manager or "
+            "other spillover proxies' series.",
+        )  # fmt: skip
+        add(
+            "spillover_prometheus_token", str, "",
+            "A bearer token for spillover_prometheus, or @FILE to read it from.",
+        )  # fmt: skip
+        add(
+            "spillover_prometheus_interval_ms", int, 1000,
+            "How often spillover_prometheus is asked (one query each time).",
+        )  # fmt: skip
+        add(
+            "spillover_remote_cards", str, "",
+            'Which Prometheus series are a remote server\'s cards, e.g. '
+            'http://10.0.0.2:8080={Hostname="gpu2",gpu="0"} (default: the series whose '
+            "host labels name the server's host).",
         )  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
-        if "spillover_cards" in updated:
-            try:
+        try:
+            if "spillover_cards" in updated:
                 parse_card_map(ctx.options.spillover_cards)
-            except ValueError as exc:
-                raise exceptions.OptionsError(str(exc)) from None
+            if "spillover_remote_cards" in updated:
+                parse_selectors(ctx.options.spillover_remote_cards)
+        except ValueError as exc:
+            raise exceptions.OptionsError(str(exc)) from None
+        if "spillover_prometheus_token" in updated:
+            read_secret(ctx.options.spillover_prometheus_token)  # an unreadable file: now
         if self._running and updated & WATCH_OPTIONS:
             self._stop()
             self._start()
@@ -104,6 +134,13 @@ class MemoryWatch:
         sources, self.missing = open_sources(
             names, Path(options.spillover_sysfs_root), Path(options.spillover_proc_root)
         )
+        if options.spillover_prometheus:
+            self.remote = PrometheusSource(
+                options.spillover_prometheus,
+                read_secret(options.spillover_prometheus_token) or None,
+                options.spillover_prometheus_interval_ms / 1000,
+            ).start()
+            sources.append(self.remote)
         self.sources = sources
         for name, why in self.missing.items():
             log.info("memory source %s not used: %s", name, why)
@@ -112,6 +149,7 @@ class MemoryWatch:
             sources,
             Path(options.spillover_proc_root),
             Path(options.spillover_sysfs_root),
+            parse_selectors(options.spillover_remote_cards),
         )
         lines = Lines(
             free_floor_mib=options.spillover_free_floor_mib,
@@ -130,6 +168,7 @@ class MemoryWatch:
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
         self.spillover.fleet.router.pressure = self.pressure_of
+        self.spillover.fleet.router.unknown = self.unknown_of
         self.spillover.fleet.shadows.near = self.near_of
 
     def _stop(self) -> None:
@@ -139,6 +178,9 @@ class MemoryWatch:
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
 
     def servers(self) -> list[str]:
         return self.spillover.server_urls()
@@ -149,6 +191,21 @@ class MemoryWatch:
             return None
         monitor, cards = watched
         return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
+
+    def unknown_of(self, server: str) -> str | None:
+        """Why a server's cards cannot be judged now (a remote card with no fresh
+        reading, or none found in Prometheus), or None."""
+        if (watched := self._watched(server)) is None:
+            return None
+        monitor, cards = watched
+        assert self.card_map is not None
+        mapping = self.card_map.mapping_of(server)
+        if mapping.how == PROMETHEUS:
+            if not cards:
+                return f"unknown: {mapping.detail}"
+            if unread := sorted(cards - monitor.seen()):
+                return f"{unread[0]}: unknown (no reading yet)"
+        return monitor.unknown(cards)
 
     def near_of(self, server: str) -> bool:
         """Whether a server's cards are near their lines (shadow prefill starts)."""
@@ -192,6 +249,7 @@ class MemoryWatch:
                 "from": self._udev.source if self._udev else self.missing.get("udev"),
             },
             "not_used": self.missing,
+            "prometheus": self.remote.status() if self.remote else None,
             "servers": {
                 s: self.card_map.mapping_of(s).status() for s in self.servers()
             } if self.card_map else {},

@@ -47,30 +47,46 @@ def step_to_reroute(work: Path) -> list[float]:
     on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
     options = [*watch_sysfs(sysfs, on), "spillover_dwell_s=1"]
     proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)
+    with running(primary, fallback, proxy):
+        proxy.servers_known()
+        return reroute_times(proxy, primary.url, card0, calm_mib=10000, step_mib=15900)
+
+
+def reroute_times(
+    proxy: Mitmdump, primary: str, card: FakeCard, calm_mib: int, step_mib: int, rounds=ROUNDS
+) -> list[float]:
+    """A client sends small whole answers back to back; `card` is stepped at a random
+    moment; ms from the write to the first answer that started elsewhere (its
+    `x-spillover-route` header), `rounds` times (cleared, dwell waited out, between)."""
     body = {**chat_body(1), "stream": False}
     times: list[float] = []
     rng = random.Random(0)
-    with running(primary, fallback, proxy), httpx.Client(timeout=30) as client:
-        proxy.servers_known()
-        for _ in range(ROUNDS):
+    with httpx.Client(timeout=30) as client:
+        for _ in range(rounds):
             stepped = None
             step_after = time.monotonic() + rng.uniform(0.05, 0.25)
             while True:
                 reply = client.post(f"{proxy.url}/v1/chat/completions", json=body)
                 if stepped is None and time.monotonic() >= step_after:
-                    card0.set_used(15900)
+                    card.set_used(step_mib)
                     stepped = time.monotonic()
                 elif stepped is not None and "x-spillover-route" in reply.headers:
                     times.append((time.monotonic() - stepped) * 1000)
                     break
-            card0.set_used(10000)
-            deadline = time.monotonic() + 10
+            card.set_used(calm_mib)
+            deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # the dwell, and the primary is ok again
                 states = client.get(f"{proxy.url}/spillover/status").json()["routing"]
-                if states["states"][primary.url]["state"] == "ok":
+                if states["states"][primary]["state"] == "ok":
                     break
                 time.sleep(0.05)
     return times
+
+
+def percentiles(times: list[float]) -> str:
+    times = sorted(times)
+    p95 = times[max(int(len(times) * 0.95) - 1, 0)]
+    return f"p50 {statistics.median(times):.1f}  p95 {p95:.1f}  max {times[-1]:.1f}"
 
 
 def decision_cost() -> tuple[float, float]:
@@ -96,12 +112,8 @@ def decision_cost() -> tuple[float, float]:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         times = step_to_reroute(Path(tmp))
-    times.sort()
     print(f"pressure step -> first new request on the fallback ({len(times)} steps, ms):")
-    print(
-        f"  p50 {statistics.median(times):.1f}  p95 {times[int(len(times) * 0.95) - 1]:.1f}"
-        f"  max {times[-1]:.1f}"
-    )
+    print(f"  {percentiles(times)}")
     ok, pressed = decision_cost()
     print(f"routing decision (Router.plan): {ok:.2f} us all ok, {pressed:.2f} us primary pressured")
 

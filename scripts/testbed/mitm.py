@@ -41,9 +41,10 @@ class Mitmdump(ManagedProcess):
         port: int | None = None,
         log_dir: Path | None = None,
         scripts: Sequence[Path] = (),
+        host: str = "127.0.0.1",
     ) -> None:
         """`scripts`: more addon scripts, loaded after the spillover addon."""
-        super().__init__(port, log_dir)
+        super().__init__(port, log_dir, host)
         self.scripts = list(scripts)
         self.primary = primary
         self.fallbacks = list(fallbacks)
@@ -52,22 +53,27 @@ class Mitmdump(ManagedProcess):
         # With the addon, its control route answers; plain mitmdump proxies /health.
         self.health_path = "/spillover/status" if addon else "/health"
 
-    def servers_known(self, timeout: float = 10) -> dict[str, Any]:
+    def servers_known(self, timeout: float = 30) -> dict[str, Any]:
         """Wait until the addon has asked each of its servers about itself (it does so in
-        the background at start); returns what it learned, by server URL."""
+        the background at start), and each fallback that answers without a key has
+        settled whether it continues (on a loaded machine a start-up question can time
+        out; the addon then asks again); returns what it learned, by server URL."""
         urls = [self.primary, *self.fallbacks]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             servers = httpx.get(f"{self.url}/spillover/status").json()["servers"]
-            if all(servers.get(url, {}).get("asked") for url in urls):
+            known = [servers.get(url, {}) for url in urls]
+            if all(info.get("asked") for info in known) and all(
+                _settled(info) for info in known[1:]
+            ):
                 return servers
             time.sleep(0.02)
-        raise ServerFailed(f"the addon never heard back from {urls}")
+        raise ServerFailed(f"the addon never heard back from {urls}: {servers}")
 
     def argv(self) -> list[str]:
         argv = [
             str(Path(sys.executable).parent / "mitmdump"),
-            "--mode", f"reverse:{self.primary}@127.0.0.1:{self.port}",
+            "--mode", f"reverse:{self.primary}@{self.host}:{self.port}",
             "--set", "flow_detail=0",
         ]  # fmt: skip
         if self.addon:
@@ -79,3 +85,10 @@ class Mitmdump(ManagedProcess):
         for option in self.options:
             argv += ["--set", option]
         return argv
+
+
+def _settled(fallback: dict[str, Any]) -> bool:
+    """Whether a fallback's answer to "does it continue?" is final: it answered, or it
+    cannot (it is down, or it turns the addon away for want of a key)."""
+    down = {"/props", "/v1/models"} <= set(fallback["unanswered"])
+    return fallback["settled"] or down or fallback["wants_key"]

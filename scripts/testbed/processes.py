@@ -25,9 +25,9 @@ class ServerFailed(RuntimeError):
     pass
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -37,20 +37,24 @@ def _die_with_parent() -> None:
 
 
 class ManagedProcess:
-    """A child process listening on 127.0.0.1:`port`, healthy when `health_path` says 200."""
+    """A child process listening on `host`:`port` (a loopback address: 127.0.0.2 stands
+    for another machine in the fleet tests), healthy when `health_path` says 200."""
 
     name = "server"
     health_path = "/health"
 
-    def __init__(self, port: int | None = None, log_dir: Path | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(
+        self, port: int | None = None, log_dir: Path | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
         log_dir = Path(log_dir or tempfile.gettempdir())
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
