@@ -127,15 +127,16 @@ def test_a_remote_step_is_confirmed_by_the_next_scrape_not_by_the_same_one() -> 
 def test_a_remote_reading_goes_stale_by_its_own_bound_and_is_then_unknown() -> None:
     source = Paced()
     monitor = MemoryMonitor([source], lambda _: None, LINES, stale_after=0.05)
-    assert monitor.unknown({"prom:h:0"}) is None  # no source has named it: not watched
+    assert monitor.judge({"prom:h:0"}, time.monotonic(), 0) is None  # no source named it
     source.scrape(1000, fresh_s=0.3)
     monitor.sample()
     time.sleep(0.1)  # past the local bound, within its own
     monitor.sample()
-    assert monitor.unknown({"prom:h:0"}) is None
+    assert monitor.judge({"prom:h:0"}, time.monotonic(), 0) is None
     time.sleep(0.3)
     monitor.sample()
-    assert monitor.unknown({"prom:h:0"}).startswith("prom:h:0: unknown (stale: no reading for")
+    state, why = monitor.judge({"prom:h:0"}, time.monotonic(), 0)
+    assert state == "unknown" and why.startswith("prom:h:0: unknown (stale: no reading for")
 
 
 def test_unknown_ranks_after_ok_and_before_pressured() -> None:
@@ -146,10 +147,11 @@ def test_unknown_ranks_after_ok_and_before_pressured() -> None:
     assert ladder.after_failure() == 2
 
     router = Router()
-    router.unknown = lambda url: "no reading" if url in (servers[0].url, servers[2].url) else None
-    router.pressure = lambda url: "full" if url == servers[1].url else None
+    judged = {servers[0].url: ("unknown", "no reading"), servers[1].url: ("pressured", "full")}
+    judged[servers[2].url] = ("unknown", "no reading")
+    router.memory = judged.get
     assert router.plan(servers, lambda _: True) == (servers, None)  # an unknown primary: stays
-    router.pressure = lambda url: "full" if url in (servers[0].url, servers[1].url) else None
+    judged[servers[0].url] = ("pressured", "full")
     plan, note = router.plan(servers, lambda _: True)
     assert plan[0] == servers[3] and "is pressured (full)" in note  # ok before unknown
 

@@ -140,30 +140,25 @@ class MemoryMonitor:
                 for card in set(self.cards) - self.reported:
                     del self.cards[card]
 
-    def pressed(self, cards: set[str], now: float, dwell_s: float) -> str | None:
-        """Why any of these cards is not yet fit for new work, or None."""
-        with self._lock:
-            for card in sorted(cards):
-                state = self.cards.get(card)
-                if state is not None and (why := state.pressed(now, dwell_s)) is not None:
-                    return why
-        return None
-
     def seen(self) -> set[str]:
         """Every card some source has reported."""
         with self._lock:
             return set(self.cards)
 
-    def unknown(self, cards: set[str]) -> str | None:
-        """Why any of these cards cannot be judged now (its reading failed or is stale;
-        or None. A card no source reads is not
-        watched, so not unknown: its server's memory is not this proxy's to judge."""
+    def judge(self, cards: set[str], now: float, dwell_s: float) -> tuple[str, str] | None:
+        """("pressured", why) when any of these cards is not yet fit for new work (over a
+        line, or clear for less than `dwell_s`); else ("unknown", why) when any cannot be
+        judged now (its reading failed or is stale); None when all are clear. A card no
+        source reads is not watched, so neither: its memory is not this proxy's to judge."""
+        unknown = None
         with self._lock:
             for card in sorted(cards):
-                state = self.cards.get(card)
-                if state is not None and (why := state.unknown()) is not None:
-                    return why
-        return None
+                if (state := self.cards.get(card)) is None:
+                    continue
+                if (why := state.pressed(now, dwell_s)) is not None:
+                    return "pressured", why
+                unknown = unknown or state.unknown()
+        return None if unknown is None else ("unknown", unknown)
 
     def near(self, cards: set[str], margin_mib: float) -> bool:
         """Whether any of these cards is over a line, or a sudden allocation of at most

@@ -41,10 +41,9 @@ class Down:
 
 class Router:
     def __init__(self) -> None:
-        # Why a server's cards are not fit for new work (the memory watcher), or None.
-        self.pressure: Callable[[str], str | None] = lambda _: None
-        # Why a server's cards cannot be judged now (the memory watcher), or None.
-        self.unknown: Callable[[str], str | None] = lambda _: None
+        # The memory watcher's word on a server's cards: ("pressured" or "unknown", why),
+        # or None when they are clear (or not watched).
+        self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
         self.down: dict[str, Down] = {}
         self.draining: set[str] = set()
         self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
@@ -56,10 +55,8 @@ class Router:
             return "draining", "drained by request"
         if (down := self.down.get(url)) is not None:
             return "down", down.why
-        if (why := self.pressure(url)) is not None:
-            return "pressured", why
-        if (why := self.unknown(url)) is not None:
-            return "unknown", why
+        if (judged := self.memory(url)) is not None:
+            return judged
         return "ok", None
 
     def plan(

@@ -15,7 +15,7 @@ from mitmproxy import ctx, exceptions
 from addon.handoff.record import Sensed
 from addon.servers.credentials import read_secret
 from addon.surface.proxy import Spillover
-from watchers.gates import PROMETHEUS, CardMap, parse_card_map
+from watchers.gates import PROMETHEUS, CardMap, Mapping, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver
 from watchers.monitor import MemoryMonitor
 from watchers.pressure import Crossing, Lines
@@ -167,8 +167,7 @@ class MemoryWatch:
             self.missing["udev"] = str(exc)
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
-        self.spillover.fleet.router.pressure = self.pressure_of
-        self.spillover.fleet.router.unknown = self.unknown_of
+        self.spillover.fleet.router.memory = self.memory_of
         self.spillover.fleet.shadows.near = self.near_of
 
     def _stop(self) -> None:
@@ -185,41 +184,35 @@ class MemoryWatch:
     def servers(self) -> list[str]:
         return self.spillover.server_urls()
 
-    def pressure_of(self, server: str) -> str | None:
-        """Why a server's cards are not fit for new work now, or None."""
+    def memory_of(self, server: str) -> tuple[str, str] | None:
+        """("pressured" or "unknown", why) for a server's cards now, or None when they are
+        clear (or nothing is watched). A remote server whose cards Prometheus has not
+        shown is unknown."""
         if (watched := self._watched(server)) is None:
             return None
-        monitor, cards = watched
-        return monitor.pressed(cards, time.monotonic(), ctx.options.spillover_dwell_s)
-
-    def unknown_of(self, server: str) -> str | None:
-        """Why a server's cards cannot be judged now (a remote card with no fresh
-        reading, or none found in Prometheus), or None."""
-        if (watched := self._watched(server)) is None:
-            return None
-        monitor, cards = watched
-        assert self.card_map is not None
-        mapping = self.card_map.mapping_of(server)
-        if mapping.how == PROMETHEUS:
-            if not cards:
-                return f"unknown: {mapping.detail}"
-            if unread := sorted(cards - monitor.seen()):
-                return f"{unread[0]}: unknown (no reading yet)"
-        return monitor.unknown(cards)
+        monitor, mapping = watched
+        cards = set(mapping.cards)
+        if mapping.how == PROMETHEUS and not cards:
+            return "unknown", f"unknown: {mapping.detail}"
+        judged = monitor.judge(cards, time.monotonic(), ctx.options.spillover_dwell_s)
+        if judged is None and mapping.how == PROMETHEUS and (unread := cards - monitor.seen()):
+            return "unknown", f"{min(unread)}: unknown (no reading yet)"
+        return judged
 
     def near_of(self, server: str) -> bool:
         """Whether a server's cards are near their lines (shadow prefill starts)."""
         if (watched := self._watched(server)) is None:
             return False
-        monitor, cards = watched
-        return monitor.near(cards, ctx.options.spillover_shadow_warn_mib)
+        monitor, mapping = watched
+        return monitor.near(set(mapping.cards), ctx.options.spillover_shadow_warn_mib)
 
-    def _watched(self, server: str) -> tuple[MemoryMonitor, set[str]] | None:
-        """The running monitor and the server's cards, or None while nothing is watched."""
+    def _watched(self, server: str) -> tuple[MemoryMonitor, Mapping] | None:
+        """The running monitor and how the server is mapped to its cards, or None while
+        nothing is watched."""
         monitor, card_map = self.monitor, self.card_map
         if monitor is None or card_map is None:
             return None
-        return monitor, card_map.cards_of(server)
+        return monitor, card_map.mapping_of(server)
 
     def _on_pressure(self, crossing: Crossing) -> None:
         """Runs on the monitor thread."""

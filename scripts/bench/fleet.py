@@ -60,7 +60,8 @@ def main() -> None:
                 proxy.servers_known()
             wait_for_remote_card(remote_proxy)
             near = reroute_times(local_proxy, local.url, local_card, CALM, STEP, ROUNDS)
-            far = reroute_times(remote_proxy, remote.url, remote_card, CALM, STEP, ROUNDS)
+            # Stepped anywhere within a scrape interval: not in step with the scrapes.
+            far = reroute_times(remote_proxy, remote.url, remote_card, CALM, STEP, ROUNDS, SCRAPE_S)
     print(f"step -> first new request on the fallback ({ROUNDS} steps each, ms)")
     print(f"  local card (sysfs, 20 ms sampling):            {percentiles(near)}")
     print(

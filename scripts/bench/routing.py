@@ -53,18 +53,25 @@ def step_to_reroute(work: Path) -> list[float]:
 
 
 def reroute_times(
-    proxy: Mitmdump, primary: str, card: FakeCard, calm_mib: int, step_mib: int, rounds=ROUNDS
+    proxy: Mitmdump,
+    primary: str,
+    card: FakeCard,
+    calm_mib: int,
+    step_mib: int,
+    rounds: int = ROUNDS,
+    spread_s: float = 0.2,
 ) -> list[float]:
     """A client sends small whole answers back to back; `card` is stepped at a random
-    moment; ms from the write to the first answer that started elsewhere (its
-    `x-spillover-route` header), `rounds` times (cleared, dwell waited out, between)."""
+    moment (within `spread_s`); ms from the write to the first answer that started
+    elsewhere (its `x-spillover-route` header), `rounds` times (cleared, dwell waited
+    out, between)."""
     body = {**chat_body(1), "stream": False}
     times: list[float] = []
     rng = random.Random(0)
     with httpx.Client(timeout=30) as client:
         for _ in range(rounds):
             stepped = None
-            step_after = time.monotonic() + rng.uniform(0.05, 0.25)
+            step_after = time.monotonic() + rng.uniform(0.05, 0.05 + spread_s)
             while True:
                 reply = client.post(f"{proxy.url}/v1/chat/completions", json=body)
                 if stepped is None and time.monotonic() >= step_after:
@@ -98,7 +105,7 @@ def decision_cost() -> tuple[float, float]:
     for i in range(3):
         monitor.cards[f"drm:card{i}"] = CardState(f"drm:card{i}")
     router = Router()
-    router.pressure = lambda url: monitor.pressed(cards.cards_of(url), time.monotonic(), 30)
+    router.memory = lambda url: monitor.judge(cards.cards_of(url), time.monotonic(), 30)
 
     def cost() -> float:
         runs = timeit.repeat(lambda: router.plan(ladder, lambda _: True), number=10000, repeat=5)
