@@ -1,6 +1,7 @@
 """The `spillover` command: the proxy and its tools under one name.
 
     spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
+    spillover run --confdir ~/.config/spillover     (options in its config.yaml)
     spillover status [--proxy URL]
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
@@ -33,11 +34,14 @@ TOOLS = {
 
 def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     mitmdump = shutil.which("mitmdump", path=str(Path(sys.executable).parent)) or "mitmdump"
-    argv = [
-        mitmdump, "-s", str(ADDON),
-        "--mode", f"reverse:{args.primary.rstrip('/')}@{args.listen_host}:{args.port}",
-        "--set", f"spillover_fallbacks={args.fallbacks}",
-    ]  # fmt: skip
+    argv = [mitmdump, "-s", str(ADDON)]
+    if args.confdir is not None:  # its config.yaml names the primary and the rest
+        argv += ["--set", f"confdir={args.confdir}"]
+    if args.primary is not None:
+        argv += [
+            "--mode", f"reverse:{args.primary.rstrip('/')}@{args.listen_host}:{args.port}",
+            "--set", f"spillover_fallbacks={args.fallbacks}",
+        ]  # fmt: skip
     return argv + [arg for arg in extra if arg != "--"]
 
 
@@ -62,10 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     run = commands.add_parser(
         "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False
     )
-    run.add_argument("--primary", required=True, help="the primary server's URL")
+    run.add_argument("--primary", help="the primary server's URL")
     run.add_argument("--fallbacks", default="", help="comma-separated fallback URLs, in order")
     run.add_argument("--listen-host", default="127.0.0.1", help="where clients connect")
     run.add_argument("--port", type=int, default=8090, help="the port clients connect to")
+    run.add_argument(
+        "--confdir", type=Path,
+        help="a mitmproxy confdir whose config.yaml holds the options (the services' way; "
+        "then --primary is not needed)",
+    )  # fmt: skip
     state = commands.add_parser("status", help="what the proxy knows now (GET /spillover/status)")
     state.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
     state.add_argument("--token", help="the control token, for a proxy on another machine")
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(status(args.proxy, args.token))
     if extra and extra[0] != "--":
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
+    if args.primary is None and args.confdir is None:
+        parser.error("run needs --primary (or --confdir with a config.yaml that names it)")
     command = mitmdump_argv(args, extra)
     os.execv(command[0], command)
 

@@ -64,9 +64,9 @@ def remote_lines(remote: PrometheusSource, lines: Lines) -> list[str]:
     """Asks once: what each remote card reads, and whether it is fresh enough to trust."""
     remote.poll()
     if remote.error is not None:
-        return [f"{MISSING}{remote.url}: {remote.error}: remote cards are unknown"]
+        return [f"{MISSING}{remote.shown}: {remote.error}: remote cards are unknown"]
     if not remote.cards:
-        return [f"{MISSING}{remote.url} answers, but holds no memory series of a known exporter"]
+        return [f"{MISSING}{remote.shown} answers, but holds no memory series of a known exporter"]
     found = []
     now = time.monotonic()
     for reading in remote.read():

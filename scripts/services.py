@@ -1,13 +1,14 @@
 """Run the proxy for real: systemd user services for mitmdump with the addon and for the
 fail-open guard, with the options in one file a person edits.
 
-    .venv/bin/python -m scripts.services install --primary http://127.0.0.1:8081 \\
+    spillover services install --primary http://127.0.0.1:8081 \\
         --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8080] [--proxy-port 8090]
-    .venv/bin/python -m scripts.services uninstall [--purge]
+    spillover services uninstall [--purge]
 
 `install` writes `~/.config/spillover/config.yaml` (mitmproxy's own options file, in a
-confdir of its own; kept if it exists), `spillover-proxy.service` (mitmdump, restarted
-on failure) and `spillover-guard.service` (the guard on the clients' port) in
+confdir of its own; kept if it exists), `spillover-proxy.service` (`spillover run
+--confdir`, restarted on failure) and `spillover-guard.service` (`spillover guard` on the
+clients' port), both running the installed command, in
 `~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes).
 A non-loopback `--listen` is public: the proxy then trusts no local client on its control
 routes, and proxy and guard share a control token in `~/.config/spillover/control-token`
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -29,8 +31,21 @@ from pathlib import Path
 
 from scripts.guard import address, is_loopback
 
-REPO = Path(__file__).resolve().parent.parent
 UNITS = ("spillover-proxy.service", "spillover-guard.service")
+# An options file an earlier version wrote named the addon's file in a checkout; the
+# proxy unit's `spillover run` loads the addon itself now.
+OLD_SCRIPTS = re.compile(r"^scripts:\n  - \S*addon/spillover\.py\n", re.MULTILINE)
+
+
+def command() -> Path:
+    """The installed `spillover` command, beside this Python (pip install puts it there)."""
+    found = Path(sys.executable).parent / "spillover"
+    if not found.exists():
+        raise SystemExit(
+            f"services: no spillover command beside {sys.executable}: install the project "
+            "(pip install . in the checkout, or scripts/setup.sh) first"
+        )
+    return found
 
 
 def config_home() -> Path:
@@ -62,8 +77,6 @@ def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) ->
         "#   systemctl --user restart spillover-proxy\n"
         "mode:\n"
         f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
-        "scripts:\n"
-        f"  - {REPO / 'addon' / 'spillover.py'}\n"
         f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
         f"{local}"
         "flow_detail: 0\n"
@@ -71,13 +84,12 @@ def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) ->
 
 
 def proxy_unit(confdir: Path) -> str:
-    mitmdump = Path(sys.executable).parent / "mitmdump"
     return (
         "[Unit]\n"
         "Description=spillover proxy: mitmdump with the spillover addon\n"
         "After=network.target\n\n"
         "[Service]\n"
-        f"ExecStart={mitmdump} --set confdir={confdir}\n"
+        f"ExecStart={command()} run --confdir {confdir}\n"
         "Restart=on-failure\n"
         "RestartSec=1\n\n"
         "[Install]\n"
@@ -93,8 +105,7 @@ def guard_unit(listen: str, proxy_port: int, primary: str, public: bool) -> str:
         "Description=spillover guard: clients reach the primary when the proxy is down\n"
         "After=network.target\n\n"
         "[Service]\n"
-        f"WorkingDirectory={REPO}\n"
-        f"ExecStart={sys.executable} -m scripts.guard --listen {listen} "
+        f"ExecStart={command()} guard --listen {listen} "
         f"--proxy 127.0.0.1:{proxy_port} --primary {target}{extra}\n"
         "Restart=always\n"
         "RestartSec=1\n\n"
@@ -121,7 +132,7 @@ def by_hand(units: Path) -> str:
         for line in (units / unit).read_text().splitlines():
             if line.startswith("ExecStart="):
                 commands.append(line.removeprefix("ExecStart="))
-    return "\n".join(f"    cd {REPO} && {command} &" for command in commands)
+    return "\n".join(f"    {started} &" for started in commands)
 
 
 def install(args: argparse.Namespace) -> None:
@@ -142,6 +153,9 @@ def install(args: argparse.Namespace) -> None:
                 f"services: WARNING: {options} does not name {', '.join(missing)}, given now: "
                 "edit it, or uninstall --purge and install again"
             )
+        if OLD_SCRIPTS.search(kept):
+            options.write_text(OLD_SCRIPTS.sub("", kept))
+            print(f"services: {options} named the addon's file: removed (the unit loads it)")
         if public and "spillover_control_token" not in options.read_text():
             print(
                 f"services: the guard checks the proxy with the token in {token_file()}: "

@@ -4,8 +4,10 @@ each tool answers under it (a real mitmdump, real llama-servers)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from scripts.testbed.processes import ManagedProcess
@@ -61,3 +63,32 @@ def test_every_command_has_help_and_a_mistake_is_named() -> None:
     assert wrong.returncode == 2 and "unknown arguments --fallback x" in wrong.stderr
     nobody = spillover("status", "--proxy", "http://127.0.0.1:9")
     assert nobody.returncode == 1 and "no proxy at http://127.0.0.1:9" in nobody.stderr
+
+
+def test_the_wheel_installs_one_package_and_its_command_runs(tmp_path: Path) -> None:
+    """The wheel pip builds from this checkout, installed (without its dependencies,
+    which this venv has) into a folder of its own: one top-level package, `spillover`;
+    `addon`, `scripts` and `watchers` are not importable beside it, yet its command runs
+    the tools."""
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", wheels, REPO], check=True, timeout=300)
+    (wheel,) = wheels.glob("spillover-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"spillover", wheel.name.removesuffix("-py3-none-any.whl") + ".dist-info"}
+    subprocess.run([*pip, "install", "--no-deps", "--target", target, wheel], check=True)
+    probe = (
+        "import importlib.util as u, sys\n"
+        "assert not any(u.find_spec(n) for n in ('addon', 'scripts', 'watchers'))\n"
+        "import spillover\n"
+        "print(spillover.__file__)\n"
+        "sys.argv = ['spillover', 'doctor', '--help']\n"
+        "spillover.main()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    said = subprocess.run(
+        [sys.executable, "-P", "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.startswith(str(target / "spillover" / "__init__.py")), said.stdout
+    assert "usage: spillover doctor" in said.stdout

@@ -186,3 +186,13 @@ def test_the_same_sample_read_again_is_the_same_reading_and_a_failure_is_unknown
     assert isinstance(failed, CardFailure) and failed.card == "prom:10.0.0.8:card0"
     assert failed.error.startswith("prometheus http://prom:9090: HTTPStatusError")
     source.stop()
+
+
+def test_a_password_in_the_prometheus_url_is_never_shown() -> None:
+    source = PrometheusSource("http://user:hunter2@prom:9090/", interval_s=0.25)
+    try:
+        assert source.status()["url"] == "http://prom:9090"
+        source.poll()  # no such host: the error names the server, not the password
+        assert "hunter2" not in repr(source.status())
+    finally:
+        source.stop()

@@ -177,10 +177,28 @@ def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path
     assert (
         "not started: systemctl --user daemon-reload failed (Failed to connect to bus" in run.stdout
     )
-    assert "start them by hand:" in run.stdout and " --set confdir=" in run.stdout
+    assert "start them by hand:" in run.stdout and "spillover run --confdir " in run.stdout
     again = subprocess.run(
         [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:7",
          "--no-start"],
         cwd=REPO, env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "WARNING:" in again and "does not name http://127.0.0.1:7, given now" in again
+
+
+def test_an_options_file_that_names_the_addon_file_is_mended(tmp_path: Path) -> None:
+    """An earlier install named the addon's file in a checkout; the unit's `spillover run`
+    loads the addon itself, and mitmproxy would load it twice."""
+    config = tmp_path / "config"
+    services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
+    options = config / "spillover" / "config.yaml"
+    written = options.read_text()
+    assert "scripts:" not in written
+    mode = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8090\n"
+    options.write_text(
+        written.replace(mode, mode + "scripts:\n  - /old/checkout/addon/spillover.py\n")
+    )
+    said = services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
+    assert "named the addon's file: removed" in said and options.read_text() == written
+    proxy = (config / "systemd" / "user" / "spillover-proxy.service").read_text()
+    assert f"ExecStart={Path(sys.executable).parent / 'spillover'} run --confdir " in proxy

@@ -84,6 +84,8 @@ class PrometheusSource:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        parts = urlsplit(self.url)  # what is shown: without a user:password in the URL
+        self.shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
         self.interval_s = interval_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(
@@ -131,12 +133,12 @@ class PrometheusSource:
         except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
             with self._lock:
                 if self.error is None or self.error.startswith("not asked"):
-                    log.warning("prometheus %s: %s: remote cards are unknown", self.url, exc)
+                    log.warning("prometheus %s: %s: remote cards are unknown", self.shown, exc)
                 self.error = f"{type(exc).__name__}: {exc}"
             return
         with self._lock:
             if self.error is not None and not self.error.startswith("not asked"):
-                log.info("prometheus %s answers again", self.url)
+                log.info("prometheus %s answers again", self.shown)
             self.cards, self.error = cards, None
             self.query_s = time.monotonic() - started
             self.answered_at = time.monotonic()
@@ -156,7 +158,7 @@ class PrometheusSource:
         with self._lock:
             cards, error = dict(self.cards), self.error
         if error is not None:
-            return [CardFailure(card, f"prometheus {self.url}: {error}") for card in cards]
+            return [CardFailure(card, f"prometheus {self.shown}: {error}") for card in cards]
         return [
             Reading(
                 card.card,
@@ -181,7 +183,7 @@ class PrometheusSource:
     def status(self) -> dict:
         with self._lock:
             return {
-                "url": self.url,
+                "url": self.shown,
                 "error": self.error,
                 "queries": self.queries,
                 "query_ms": round(self.query_s * 1000, 1),
@@ -214,5 +216,5 @@ def remote_mapping(
     else:
         which = f"series whose host labels name {urlsplit(server).hostname}"
     if not cards:
-        return gates.Mapping(cards, gates.PROMETHEUS, f"no card in {source.url} matches {which}")
+        return gates.Mapping(cards, gates.PROMETHEUS, f"no card in {source.shown} matches {which}")
     return gates.Mapping(cards, gates.PROMETHEUS, f"{which}: {', '.join(sorted(cards))}")
