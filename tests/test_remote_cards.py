@@ -196,3 +196,18 @@ def test_a_password_in_the_prometheus_url_is_never_shown() -> None:
         assert "hunter2" not in repr(source.status())
     finally:
         source.stop()
+
+
+def test_a_fresh_reading_counts_again_once_its_source_answers_again() -> None:
+    source = Paced()
+    monitor = MemoryMonitor([source], lambda _: None, LINES)
+    source.scrape(1000, fresh_s=5)
+    monitor.sample()
+    kept, source.read = source.read, lambda: [CardFailure("prom:h:0", "prometheus: down")]
+    monitor.sample()
+    assert monitor.judge({"prom:h:0"}, time.monotonic(), 0) == (
+        "unknown", "prom:h:0: unknown (prometheus: down)",
+    )  # fmt: skip
+    source.read = kept  # answers again, with the same (still fresh) sample
+    monitor.sample()
+    assert monitor.judge({"prom:h:0"}, time.monotonic(), 0) is None

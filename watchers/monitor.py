@@ -100,7 +100,11 @@ class MemoryMonitor:
                     if isinstance(result, CardFailure):
                         state.fail(result.error)
                     elif state.last is not None and result.time == state.last.time:
-                        continue  # a source that reads at its own pace: nothing new
+                        # A source that reads at its own pace: nothing new. After a failed
+                        # read, what it still has counts again while it is fresh.
+                        bound = result.fresh_s or self.stale_after
+                        if state.error is not None and time.monotonic() - result.time <= bound:
+                            state.error = None
                     elif (crossing := state.observe(result, self.lines)) is not None:
                         fired.append(crossing)
             now = time.monotonic()
