@@ -72,7 +72,7 @@ def remote_lines(remote: PrometheusSource, lines: Lines) -> list[str]:
     for reading in remote.read():
         assert isinstance(reading, Reading)
         card = remote.cards[reading.card]
-        age, fresh = now - reading.time, reading.fresh_s or 0.0
+        age, fresh = now - reading.time, reading.fresh_for(0.0)
         mark = OK if age <= fresh else MISSING
         state = "fresh" if age <= fresh else "STALE: unknown, not trusted"
         found.append(

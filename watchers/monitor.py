@@ -102,8 +102,8 @@ class MemoryMonitor:
                     elif state.last is not None and result.time == state.last.time:
                         # A source that reads at its own pace: nothing new. After a failed
                         # read, what it still has counts again while it is fresh.
-                        bound = result.fresh_s or self.stale_after
-                        if state.error is not None and time.monotonic() - result.time <= bound:
+                        fresh = time.monotonic() - result.time <= result.fresh_for(self.stale_after)
+                        if state.error is not None and fresh:
                             state.error = None
                     elif (crossing := state.observe(result, self.lines)) is not None:
                         fired.append(crossing)
@@ -111,7 +111,7 @@ class MemoryMonitor:
             for state in self.cards.values():
                 if state.last is None:
                     continue
-                bound = state.last.fresh_s or self.stale_after
+                bound = state.last.fresh_for(self.stale_after)
                 if now - state.last.time > bound:
                     age = now - state.last.time
                     state.fail(f"stale: no reading for {age:.1f} s (fresh for {bound:g} s)")

@@ -95,7 +95,7 @@ class PrometheusSource:
         # sample read again is the same reading (a step needs a second scrape to confirm).
         self._offset = time.monotonic() - time.time()
         self.cards: dict[str, RemoteCard] = {}
-        self.error: str | None = "not asked yet"
+        self.error: str | None = None  # why the last query got no answer
         self.answered_at: float | None = None  # time.monotonic() of the last answer
         self.query_s = 0.0
         self.queries = 0
@@ -132,12 +132,12 @@ class PrometheusSource:
             cards = cards_of(series_of(answer["data"]["result"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
             with self._lock:
-                if self.error is None or self.error.startswith("not asked"):
+                if self.error is None:
                     log.warning("prometheus %s: %s: remote cards are unknown", self.shown, exc)
                 self.error = f"{type(exc).__name__}: {exc}"
             return
         with self._lock:
-            if self.error is not None and not self.error.startswith("not asked"):
+            if self.error is not None:
                 log.info("prometheus %s answers again", self.shown)
             self.cards, self.error = cards, None
             self.query_s = time.monotonic() - started

@@ -18,6 +18,10 @@ class Reading:
     # remote card, scraped every few seconds); None: the monitor's bound for local cards.
     fresh_s: float | None = None
 
+    def fresh_for(self, default_s: float) -> float:
+        """How long after `time` it counts: its own bound, else `default_s`."""
+        return self.fresh_s or default_s
+
     @property
     def free_mib(self) -> float | None:
         return None if self.total_mib is None else self.total_mib - self.used_mib

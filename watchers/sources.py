@@ -84,5 +84,5 @@ def card_map(
         minors=lambda: nvml_minors(sources),
         remote=None
         if remote is None
-        else lambda server: remote_mapping(remote, server, chosen.get(server.rstrip("/"))),
+        else lambda server: remote_mapping(remote, server, chosen.get(server)),
     )
