@@ -14,8 +14,12 @@ import httpx
 import openai
 import pytest
 
+from scripts.testbed import llamacpppython
+from scripts.testbed.llamabin import BUILD_VARIANTS, built_binary_path
 from scripts.testbed.llamaserver import LlamaServer, ServerFailed, running
+from scripts.testbed.processes import ManagedProcess
 from scripts.testbed.tinymodels import PRESETS, build_vocab, write_model
+from scripts.testbed.trial import EngineUnusable, first_build_that_runs, generates
 
 PROMPT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
 
@@ -37,7 +41,8 @@ def test_generator_is_byte_deterministic(tmp_path: Path) -> None:
         first = write_model(tmp_path / "a" / f"{name}.gguf", preset).read_bytes()
         second = write_model(tmp_path / "b" / f"{name}.gguf", preset).read_bytes()
         assert first == second, name
-    assert (tmp_path / "a/primary.gguf").read_bytes() != (tmp_path / "a/fallback.gguf").read_bytes()
+    written = {name: (tmp_path / "a" / f"{name}.gguf").read_bytes() for name in PRESETS}
+    assert len(set(written.values())) == len(PRESETS)
 
 
 def test_presets_share_one_tokenizer(primary: LlamaServer, fallback: LlamaServer) -> None:
@@ -133,3 +138,63 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+class DiesOnFirstGeneration(ManagedProcess):
+    """A stand-in for a build that loads, answers /health, and dies on its first matrix
+    product (llama-cpp-python's native build where AMX is advertised but not granted):
+    no real engine does that on demand here."""
+
+    name = "dies-on-first-generation"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", textwrap.dedent(f"""
+            import os
+            from http.server import BaseHTTPRequestHandler, HTTPServer
+            class Handler(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    self.send_response(200); self.end_headers()
+                def do_POST(self):
+                    os._exit(139)
+            HTTPServer(("127.0.0.1", {self.port}), Handler).serve_forever()
+        """)]  # fmt: skip
+
+
+def test_an_engine_is_trusted_only_once_it_has_generated(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    assert generates(LlamaServer(models["fallback"], log_dir=tmp_path, slots=1)) is None
+    dying = DiesOnFirstGeneration(log_dir=tmp_path)
+    why = generates(dying)
+    assert why is not None and why.startswith("dies-on-first-generation died with 139")
+    assert dying.process is not None and dying.process.poll() is not None
+
+
+def test_a_build_that_fails_its_trial_is_passed_over_for_the_next(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    built: list[str] = []
+
+    def build(variant: str) -> str:
+        built.append(variant)
+        return f"{variant}-build"
+
+    def verdict(which: str) -> str | None:
+        return None if which == "portable-build" else f"{which} died with -4\nits log"
+
+    chosen = first_build_that_runs("engine", ["native", "portable", "baseline"], build, verdict)
+    assert chosen == "portable-build" and built == ["native", "portable"]
+    assert "engine: the native build does not run here: native-build died with -4" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(EngineUnusable) as failed:
+        first_build_that_runs("engine", ["native", "baseline"], build, verdict)
+    assert "the native build: native-build died" in str(failed.value)
+    assert "the baseline build: baseline-build died" in str(failed.value)
+
+
+def test_each_build_variant_has_a_cache_of_its_own() -> None:
+    paths = {built_binary_path(v) for v in BUILD_VARIANTS}
+    assert len(paths) == len(BUILD_VARIANTS)
+    assert all(v in str(built_binary_path(v)) for v in BUILD_VARIANTS)
+    assert all(v in str(llamacpppython.venv(v)) for v in BUILD_VARIANTS)

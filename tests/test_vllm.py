@@ -21,7 +21,13 @@ from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
 from scripts.testbed.tinymodels import reasoning_template
-from scripts.testbed.vllmserver import SERVED_NAME, VllmServer, VllmUnavailable, hf_copy
+from scripts.testbed.vllmserver import (
+    SERVED_NAME,
+    VllmServer,
+    VllmUnavailable,
+    ensure_usable,
+    hf_copy,
+)
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 
 LONG = 300
@@ -30,11 +36,11 @@ FINAL = {"continue_final_message": True, "add_generation_prompt": False}
 
 @pytest.fixture(scope="module")
 def vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
-    gguf = models["fallback"]
     try:
-        model_dir = hf_copy(gguf)
+        ensure_usable()
     except VllmUnavailable as why:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {why}")
+        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    model_dir = hf_copy(models["fallback"])
     server = VllmServer(model_dir, log_dir=server_logs).start(timeout=300)
     yield server
     server.stop()

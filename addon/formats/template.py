@@ -6,6 +6,13 @@ jinja2 environment with trimmed blocks, the model's BOS and EOS text, `raise_exc
 A server whose chat route cannot continue a partial answer (llama-cpp-python's server
 opens a new turn after one) still continues a text completion of its own chat prompt,
 rendered here, followed by the answer so far (handoff/rendered.py).
+
+Engines read a rendering differently on their two routes. llama-cpp-python's chat route
+tokenizes the rendering as it is (the template writes BOS or not), its text route adds
+the tokenizer's BOS in front of any prompt; vLLM's routes differ the same way by default.
+So a template that writes `bos_token` itself reads on a text route as two BOS tokens:
+`text_route_adds_bos` leaves the template's out there (which of them holds is proven per
+server, servers/proof.py).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
     origin: str = ""  # where it was read, for status
+    text_route_adds_bos: bool = False  # a leading bos_token is left to the tokenizer
+    # The text route reads a BOS the chat route does not (said in status, nothing to do).
+    text_route_bos_extra: bool = False
 
     @cached_property
     def _compiled(self):
@@ -47,7 +57,7 @@ class ChatTemplate:
         """The prompt for `messages`, opening the assistant's turn; `kwargs` reach the
         template (a request's `chat_template_kwargs`). Raises NoTemplate."""
         try:
-            return self._compiled.render(
+            prompt = self._compiled.render(
                 messages=messages,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
@@ -56,6 +66,9 @@ class ChatTemplate:
             )
         except TemplateError as exc:
             raise NoTemplate(f"its template does not render: {exc}") from None
+        if self.text_route_adds_bos and self.bos_token:
+            return prompt.removeprefix(self.bos_token)
+        return prompt
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:

@@ -226,6 +226,8 @@ class ServerDirectory:
                 )
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
+                if found.template is not None:  # as its text route is to be given it
+                    self.templates[upstream] = found.template
                 info.settled = True  # it answered: not asked again
             except proof.ERRORS as exc:
                 info.continues_why = f"not checked: {proof.failed(exc)}"

@@ -21,7 +21,7 @@ server that cannot be checked continues nothing.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -45,6 +45,7 @@ class Proof:
     continues: bool | None  # None: not known, which counts as no
     why: str
     continuer: Continuer | None = None  # the way it is asked to, when it does
+    template: ChatTemplate | None = None  # as a rendered prompt is made for it, if so
 
 
 async def continues(
@@ -75,7 +76,10 @@ async def continues(
     for way in [*CHAT_WAYS, RENDERED]:
         try:
             if way is RENDERED:
-                why = await _reads_its_own_chat_prompt(ask, model, template, alone, own)
+                found = await _reads_its_own_chat_prompt(ask, model, template, alone, own)
+                if isinstance(found, ChatTemplate):
+                    return Proof(True, "; ".join([*whys, _rendered_why(found)]), way, found)
+                why = found
             else:
                 why = await _grows_by_its_own(_chat_counter(ask, way, model), way, alone, own)
         except httpx.HTTPStatusError as exc:
@@ -84,11 +88,6 @@ async def continues(
             why = f"it refuses {way.name} ({failed(exc)})"
         if why is None:
             why = f"{way.name} adds no more than its own tokens to the prompt"
-            if way is RENDERED and template is not None:
-                why = (
-                    f"{way.name}: the template from {template.origin} renders the prompt its "
-                    "chat route reads, and a text completion of it goes on from the answer"
-                )
             return Proof(True, "; ".join([*whys, why]), way)
         whys.append(why)
     return Proof(False, "; ".join(whys))
@@ -117,10 +116,17 @@ def _chat_counter(ask: Ask, way: Continuer, model: str | None) -> Counter:
 
 async def _reads_its_own_chat_prompt(
     ask: Ask, model: str | None, template: ChatTemplate | None, alone: int, own: list[int]
-) -> str | None:
+) -> str | ChatTemplate:
     """Why a text completion of the template's rendering is not how the server continues,
-    or None when it is: its text completions read the rendering of two chats as many
-    tokens as its chat route reads them (the same template), and go on from it."""
+    or, when it is, the template as its text route is to be given it: its text
+    completions read the rendering of two chats as many tokens as its chat route reads
+    them (the same template), and go on from it.
+
+    A text route that puts its tokenizer's BOS before every prompt reads a template that
+    writes BOS itself as two: that BOS is left out of the rendering, when the counts then
+    agree. Where the template writes none and the chat route reads none, the text route's
+    own BOS is the one difference allowed (its tokenizer adds it to any text, `own[0]`),
+    and said; the continuation is then what the model's tokenizer makes of the prompt."""
     name = RENDERED.name
     if template is None:
         return f"{name}: its model's chat template is not known to the addon"
@@ -134,15 +140,45 @@ async def _reads_its_own_chat_prompt(
     except NoTemplate as exc:
         return f"{name}: {exc}"
     chat_two = _prompt_tokens(await ask("/v1/chat/completions", _probe(TWO_TURNS, model)))
-    for chat, rendering in zip((alone, chat_two), renderings, strict=True):
-        if chat is None or (text := await count(rendering)) is None:
+    if chat_two is None:
+        return f"{name}: no prompt token counts in its answers"
+    chats = (alone, chat_two)
+    bos = template.bos_token
+    if bos and renderings[0].startswith(bos) and own[0] > 0:
+        template = replace(template, text_route_adds_bos=True)
+        renderings = [rendering.removeprefix(bos) for rendering in renderings]
+    texts = []
+    for rendering in renderings:
+        if (text := await count(rendering)) is None:
             return f"{name}: no prompt token counts in its answers"
-        if text != chat:
+        texts.append(text)
+    # The text route's own BOS, where the chat route reads none and the template writes none.
+    added = 1 if texts[0] - alone == own[0] == 1 and not template.text_route_adds_bos else 0
+    for text, chat in zip(texts, chats, strict=True):
+        if text - chat != added:
             return (
                 f"{name}: the template from {template.origin} renders a prompt of {text} "
                 f"tokens where its chat route reads {chat}: not its template"
             )
-    return await _grows_by_its_own(lambda text: count(renderings[0] + text), RENDERED, alone, own)
+    grows = lambda text: count(renderings[0] + text)  # noqa: E731
+    if why := await _grows_by_its_own(grows, RENDERED, alone + added, own):
+        return why
+    return replace(template, text_route_bos_extra=bool(added))
+
+
+def _rendered_why(template: ChatTemplate) -> str:
+    why = (
+        f"{RENDERED.name}: the template from {template.origin} renders the prompt its chat "
+        "route reads, and a text completion of it goes on from the answer"
+    )
+    if template.text_route_adds_bos:
+        why += " (its text route adds the BOS the template writes: left out of the rendering)"
+    elif template.text_route_bos_extra:
+        why += (
+            " (but for the BOS its text route adds, as its tokenizer asks, where its chat "
+            "route reads none)"
+        )
+    return why
 
 
 async def _grows_by_its_own(

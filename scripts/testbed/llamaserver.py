@@ -6,20 +6,25 @@ binary they run: the first candidate (`llamabin.candidates`) that runs on this C
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from scripts.testbed.llamabin import (
-    CACHE,
+    BUILD_VARIANTS,
     BinaryNotFound,
     build_from_source,
     candidates,
-    cpu_key,
 )
 from scripts.testbed.processes import ManagedProcess, ServerFailed, running
 from scripts.testbed.tinymodels import ensure_models
+from scripts.testbed.trial import (
+    EngineUnusable,
+    cached_verdict,
+    file_identity,
+    first_build_that_runs,
+    generates,
+)
 
 __all__ = [
     "BinaryNotFound", "LlamaRouter", "LlamaServer", "ServerFailed", "find_binary", "running",
@@ -72,8 +77,8 @@ class LlamaRouter(LlamaServer):
 
 
 def find_binary() -> Path:
-    for binary, needs_probe in candidates():
-        if not needs_probe or runs_here(binary):
+    for binary, needs_trial in candidates():
+        if not needs_trial or runs_here(binary):
             return binary
     raise BinaryNotFound(
         "no llama-server that runs on this CPU: run scripts/setup.sh (it builds one), "
@@ -82,32 +87,33 @@ def find_binary() -> Path:
 
 
 def runs_here(binary: Path) -> bool:
-    """Start the binary on a tiny model once; cache whether it came up healthy."""
-    stat = binary.stat()
-    key = hashlib.sha256(f"{binary.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    verdict_file = CACHE / "probes" / f"{key.hexdigest()[:16]}-{cpu_key()}"
-    if verdict_file.exists():
-        return verdict_file.read_text() == "ok"
-    with tempfile.TemporaryDirectory() as tmp:
-        model = ensure_models(Path(tmp))["fallback"]
-        server = LlamaServer(model, binary=binary, ctx_size=256, slots=1)
-        try:
-            server.start()
-            ok = True
-        except ServerFailed:
-            ok = False
-        finally:
-            server.stop()
-    verdict_file.parent.mkdir(parents=True, exist_ok=True)
-    verdict_file.write_text("ok" if ok else "fails")
-    return ok
+    return why_not_here(binary) is None
+
+
+def why_not_here(binary: Path) -> str | None:
+    """None when the binary loads a tiny model and writes a few tokens; else why (asked
+    once per binary and CPU)."""
+
+    def trial() -> str | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = ensure_models(Path(tmp))["fallback"]
+            return generates(LlamaServer(model, binary=binary, ctx_size=256, slots=1))
+
+    return cached_verdict("llama-server", file_identity(binary), trial)
 
 
 def ensure_binary() -> Path:
+    """A llama-server that runs here, building one (native, else portable) if none does."""
     try:
         return find_binary()
     except BinaryNotFound:
-        return build_from_source()
+        pass
+    try:
+        return first_build_that_runs(
+            "llama-server", BUILD_VARIANTS, build_from_source, why_not_here
+        )
+    except EngineUnusable as exc:
+        raise BinaryNotFound(str(exc)) from None
 
 
 if __name__ == "__main__":

