@@ -71,6 +71,19 @@ def ensure_python() -> Path:
     done = venv() / ".installed"
     if done.exists() and done.read_text().split() == WANTED:
         return python
+    wheels = Path(os.environ.get("VLLM_TORCH_WHEELS", "/opt/wheels"))
+    if not list(wheels.glob("torch-2.13.0+cpu-cp311-*.whl")):
+        raise VllmUnavailable(f"no {TORCH} wheel in {wheels} (set VLLM_TORCH_WHEELS)")
+    if not python.exists():
+        subprocess.run([_python_311(), "-m", "venv", str(venv())], check=True)
+        print(f"vllm: installing {PACKAGE} (once, about 4-10 min)", file=sys.stderr)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--find-links", str(wheels), *WANTED], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-q", "-y", *BREAKS_TRANSFORMERS], check=True
+    )
+    done.write_text(" ".join(WANTED))
+    return python
 
 
 _CONVERT = """
