@@ -20,4 +20,18 @@ if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get
         || echo "test: could not install tmux: the live view test skips" >&2
 fi
 
-exec .venv/bin/python -m pytest "$@"
+# Most tests wait on real servers, so they run in parallel: one worker per core and one
+# more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers
+# start once. The few marked `alone` take real system RAM, which every proxy's watcher
+# reads, so they run afterwards by themselves. The slowest tests are listed each time.
+workers=${SPILLOVER_TEST_WORKERS:-$(( $(nproc) + 1 ))}
+status=0
+.venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not alone" --durations=30 "$@" \
+    || status=$?
+alone=0
+.venv/bin/python -m pytest -m alone --durations=5 "$@" || alone=$?
+# 5: no test of this part was chosen (extra arguments named others).
+for code in "$status" "$alone"; do
+    if [ "$code" != 0 ] && [ "$code" != 5 ]; then exit "$code"; fi
+done
+if [ "$status" = 5 ] && [ "$alone" = 5 ]; then exit 5; fi

@@ -151,3 +151,30 @@ def test_llama_cpp_python_of_another_family_continues_its_own_rendered_prompt(
         after
         == text_completion(server.url, WRITTEN_OUT[family] + before, rest)["choices"][0]["text"]
     )
+
+
+def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> None:
+    """chatml -> turns -> chatml, the client asking for logprobs (so every leg reports
+    its ids). The second leg's ids are the turns tokenizer's: the third server, which
+    shares the first one's tokenizer, must get the answer as text, and what follows the
+    second cut is its own continuation of all the text delivered."""
+    first, second, third = (start_server(m) for m in ("primary", "turns-fallback", "fallback"))
+    proxy = start_proxy(first.url, [second.url, third.url], options=QUICK)
+    known = proxy.servers_known()
+    assert known[first.url]["tokenizer"] == known[third.url]["tokenizer"]
+    assert known[second.url]["tokenizer"] != known[first.url]["tokenizer"]
+
+    def cut(n: int) -> None:
+        if n == 30:
+            first.kill()
+        elif n == 90:
+            second.kill()
+
+    stream = read_stream(proxy.url, chat_body(LONG, logprobs=True), on_chunk=cut)
+    assert_one_clean_stream(stream)
+    to_second, to_third = stream.notes
+    assert f"{first.url} -> {second.url}" in to_second and "replayed as text" in to_second
+    assert f"{second.url} -> {third.url}" in to_third and "replayed as text" in to_third
+    before = "".join(stream.segments[:2])
+    rest = LONG - sum(stream.segment_tokens[:2])
+    assert stream.segments[2] == continuation(third.url, before, rest)

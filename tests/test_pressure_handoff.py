@@ -68,6 +68,7 @@ def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(watched) -> 
     assert status["cards"]["drm:card1"]["fired"] == 1
 
 
+@pytest.mark.alone
 def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> None:
     """The primary runs on the CPU, so its card is found to be system RAM; the test takes
     1,000 MiB of real memory with the free-memory line 400 MiB below what was free. The

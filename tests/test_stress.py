@@ -21,6 +21,7 @@ def stress(*args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+@pytest.mark.alone
 def test_taking_ram_in_steps_hands_off_an_answer_and_gives_it_back(
     start_server, start_proxy
 ) -> None:

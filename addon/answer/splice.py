@@ -79,7 +79,7 @@ class Splice:
         self.handoffs: list[Handoff] = []
         self.streaming = dialect.streaming(body)
         self._next = NextLeg(
-            path, dialect, body, self.transcript, self.ladder[0], servers, self.asks_ids
+            path, dialect, body, self.transcript, servers, self.asks_ids
         )
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
@@ -371,7 +371,7 @@ class Splice:
             if not client.started:
                 client.start(200, list(response.headers), response.reason)
             self._notes.release(client)
-            self.transcript.begin_leg(upstream.url)
+            self.transcript.begin_leg(upstream.url, self._fleet.servers.get(upstream).tokenizer)
             strip = self._strip_pieces
             reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
             pump = Pump(

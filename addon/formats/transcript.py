@@ -35,8 +35,10 @@ class Transcript:
     other_parts: set[str] = field(default_factory=set)  # what cannot be replayed: tool calls
     # Each leg's prompt reading as its server timed it: (server, tokens read, ms).
     reads: list[tuple[str, int, float]] = field(default_factory=list)
-    # The token ids behind the delivered text, while every leg has reported them.
+    # The token ids behind the delivered text, while every leg has reported them in one
+    # vocabulary, `vocabulary` (a tokenizer's fingerprint; ids of two never mix).
     ids: list[int] | None = field(default_factory=list)
+    vocabulary: str | None = None
     id_bytes: bytearray = field(default_factory=bytearray)
     ids_ahead: bool = False  # the last ids came without their text (vLLM holds it back)
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
@@ -68,8 +70,13 @@ class Transcript:
             if isinstance(read, int) and isinstance(ms, int | float):
                 self.reads.append((self.legs[-1].server, read, float(ms)))
 
-    def begin_leg(self, server: str) -> None:
+    def begin_leg(self, server: str, vocabulary: str | None = None) -> None:
+        """A leg from `server`, whose tokenizer is `vocabulary` (None: not known)."""
         self.legs.append(LegUsage(server))
+        if not self.ids:
+            self.vocabulary = vocabulary
+        elif vocabulary is None or vocabulary != self.vocabulary:
+            self.ids = None  # the answer so far can only be replayed as text now
 
     def exact_ids(self) -> list[int] | None:
         """The ids of the delivered answer, when they are known and spell exactly the

@@ -46,7 +46,6 @@ class NextLeg:
         dialect: Dialect,
         body: dict[str, Any],
         transcript: Transcript,
-        primary: Upstream,
         servers: ServerDirectory | None,
         asks_ids: bool,
     ) -> None:
@@ -54,7 +53,6 @@ class NextLeg:
         self.dialect = dialect
         self.body = body
         self.transcript = transcript
-        self.primary = primary
         self._servers = servers
         self.asks_ids = asks_ids
         self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
@@ -148,13 +146,15 @@ class NextLeg:
 
     def _exact_ids(self, upstream: Upstream) -> list[int] | None:
         """The delivered token ids, when a continuation on `upstream` can go on from them:
-        they are known and `upstream` reads them as the first server meant them."""
+        they are known and `upstream` reads them as the servers that made them meant them
+        (one vocabulary, the transcript's)."""
         servers = self._servers
         if not self.asks_ids or servers is None or not self.transcript.content:
             return None
         if self.transcript.reasoning:
             return None  # a native completion would not split reasoning from content
-        if not servers.same_tokenizer(self.primary, upstream):
+        vocabulary = self.transcript.vocabulary
+        if vocabulary is None or servers.get(upstream).tokenizer != vocabulary:
             return None
         return self.transcript.exact_ids()
 
