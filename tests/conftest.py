@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +12,13 @@ import pytest
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import ensure_models
+
+# The tests make an httpx client for nearly every call (httpx.get, httpx.stream), and a
+# client loads its whole CA bundle when made: 20-25 ms of CPU each, which polling loops
+# turned into most of the suite's CPU time. They speak plain HTTP on loopback; a CA
+# directory is read only when a TLS peer is verified.
+os.environ.pop("SSL_CERT_FILE", None)
+os.environ["SSL_CERT_DIR"] = ssl.get_default_verify_paths().capath or "/etc/ssl/certs"
 
 
 @pytest.fixture(scope="session")

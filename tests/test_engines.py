@@ -251,3 +251,31 @@ def test_a_llama_server_router_is_asked_in_its_own_model_name(
         assert after == direct
     finally:
         router.stop()
+
+
+def test_a_client_that_sets_no_limit_gets_the_rest_of_the_context_after_the_cut(
+    models: dict[str, Path], server_logs: Path, start_server, start_proxy
+) -> None:
+    """Most chat UIs send no max_tokens. llama-cpp-python's text route stops at 16 tokens
+    unless told otherwise, where its chat route (and the client's own answer) goes on to
+    the end of the context: the continuation names the limit, and the client gets the
+    engine's own completion to the end of its context."""
+    short = LlamaCppPythonServer(models["fallback"], ctx_size=512, log_dir=server_logs)
+    short.start(timeout=120)
+    try:
+        primary = start_server("primary")
+        proxy = start_proxy(primary.url, [short.url], options=QUICK)
+        assert proxy.servers_known()[short.url]["continues_by"] == RENDERED
+        body = {k: v for k, v in chat_body(LONG).items() if k != "max_tokens"}
+        stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 40 and primary.kill())
+        assert_one_clean_stream(stream)
+        before, after = stream.segments
+        assert stream.finishes == ["length"] and stream.segment_tokens[1] > 300
+        reply = httpx.post(
+            f"{short.url}/v1/completions",
+            json={"prompt": CHATML_PROMPT + before, "max_tokens": None, "temperature": 0},
+            timeout=120,
+        ).json()
+        assert after == reply["choices"][0]["text"]
+    finally:
+        short.stop()

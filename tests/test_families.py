@@ -7,6 +7,7 @@ after the cut is compared with that engine's own continuation, asked of it direc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,3 +179,42 @@ def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> N
     before = "".join(stream.segments[:2])
     rest = LONG - sum(stream.segment_tokens[:2])
     assert stream.segments[2] == continuation(third.url, before, rest)
+
+
+@pytest.mark.parametrize("health_s", [0, 1])
+def test_a_fallback_restarted_with_another_model_is_learnt_again_before_it_continues(
+    health_s: int, models: dict[str, Path], server_logs: Path, start_server, start_proxy
+) -> None:
+    """The fallback was proven with the primary's vocabulary, then restarted on the same
+    port with another. With health checks off, nothing tells the proxy but the check made
+    right before the continuation is sent; with them on, it learns the new model as soon
+    as the server answers again. Either way the answer goes on as text, and what follows
+    the cut is the new model's own continuation."""
+    primary = start_server("primary")
+    fallback = start_server("fallback")
+    proxy = start_proxy(
+        primary.url, [fallback.url], options=[*QUICK, f"spillover_health_s={health_s}"]
+    )
+    proven = proxy.servers_known()
+    assert proven[fallback.url]["tokenizer"] == proven[primary.url]["tokenizer"]
+    fallback.stop()
+    other = LlamaServer(models["turns-fallback"], port=fallback.port, log_dir=server_logs).start()
+    try:
+        if health_s:
+            deadline = time.monotonic() + 10
+            while proxy.servers_known()[other.url]["tokenizer"] == proven[other.url]["tokenizer"]:
+                assert time.monotonic() < deadline, "the restarted server was never learnt again"
+                time.sleep(0.05)
+        stream = read_stream(
+            proxy.url, chat_body(LONG), on_chunk=lambda n: n == 40 and primary.kill()
+        )
+        assert_one_clean_stream(stream)
+        (note,) = stream.notes
+        assert f"{primary.url} -> {other.url}" in note and "replayed as text" in note
+        before, after = stream.segments
+        assert after == continuation(other.url, before, LONG - stream.segment_tokens[0])
+        learnt = proxy.servers_known()[other.url]
+        assert learnt["tokenizer"] != proven[other.url]["tokenizer"]
+        assert learnt["identity"] != proven[other.url]["identity"]
+    finally:
+        other.stop()

@@ -531,3 +531,35 @@ def test_odd_bodies_the_server_streams_are_handed_off_cleanly(servers, proxy, pa
     assert moved.count(1) >= 3, moved  # most of these shapes are carried, and were cut
     log = proxy.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "Addon error" not in log, log[-3000:]
+
+
+def test_a_constrained_response_is_never_moved_mid_answer(start_proxy, servers) -> None:
+    """Responses' `text.format` binds the answer to a JSON schema (llama-server honours
+    it): a handoff asked mid-answer is declined, since the next server would start the
+    JSON over, and the client gets the primary's own answer, whole."""
+    primary, fallback = servers
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}}
+    body = {
+        "model": "tiny", "input": PROMPT[0]["content"], "max_output_tokens": 200,
+        "stream": True, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "story", "schema": schema}},
+    }  # fmt: skip
+
+    def text_of(url: str, ask_at: int | None) -> str:
+        text, deltas = "", 0
+        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and '"response.output_text.delta"' in line:
+                    text += json.loads(line[6:])["delta"]
+                    deltas += 1
+                    if deltas == ask_at:
+                        httpx.post(f"{proxy.url}/spillover/handoff")
+        return text
+
+    through = text_of(proxy.url, 12)
+    assert through.lstrip().startswith("{")  # the schema held
+    assert through == text_of(primary.url, None)
+    status = httpx.get(f"{proxy.url}/spillover/status").json()
+    assert status["recent_handoffs"] == []

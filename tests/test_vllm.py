@@ -7,8 +7,10 @@ other way round, a vLLM primary cut mid-answer is continued by llama-server."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,11 @@ from scripts.testbed.vllmserver import (
     hf_copy,
 )
 from tests.streams import assert_one_clean_stream, continuation, read_stream
+from tests.test_routing import live_on
+from tests.test_splice import held
 
+# vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
+pytestmark = pytest.mark.timeout(420)
 LONG = 300
 FINAL = {"continue_final_message": True, "add_generation_prompt": False}
 
@@ -149,6 +155,43 @@ def assert_continued_by_vllm(stream, primary: LlamaServer, vllm: VllmServer, why
     assert after == vllm_continuation(vllm.url, before, LONG - stream.segment_tokens[0])
 
 
+def test_the_clients_echo_is_not_carried_into_a_continuation(
+    start_server, start_proxy, vllm: VllmServer
+) -> None:
+    """`echo: true` has vLLM repeat the last message when it is the assistant's: on a
+    continuation that is the answer so far, which the client would read twice."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [vllm.url])
+    proxy.servers_known()
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model="any", echo=True),
+        on_chunk=lambda n: n == 40 and primary.kill(),
+    )  # fmt: skip
+    assert_continued_by_vllm(stream, primary, vllm, "connection")
+
+
+def test_a_structured_answer_is_never_moved_mid_answer(
+    start_proxy, vllm: VllmServer, fallback: LlamaServer
+) -> None:
+    """vLLM's own structured_outputs field binds the answer to a pattern: a handoff asked
+    mid-answer is declined (the next server would start the pattern over), and the
+    answer ends whole on vLLM, matching it."""
+    proxy = start_proxy(vllm.url, [fallback.url])
+    proxy.servers_known()
+    pattern = "(the|river|bridge|stone)( (the|river|bridge|stone)){60}"
+    body = chat_body(LONG, model=SERVED_NAME, structured_outputs={"regex": pattern})
+    asked: list[int] = []
+
+    def ask(n: int) -> None:
+        if n == 10:
+            asked.append(httpx.post(f"{proxy.url}/spillover/handoff").status_code)
+
+    stream = read_stream(proxy.url, body, on_chunk=ask)
+    assert asked and stream.notes == []
+    assert_one_clean_stream(stream)
+    assert re.fullmatch(pattern, stream.text.strip()), stream.text
+
+
 def test_a_messages_answer_is_not_continued_where_only_chat_can_ask(
     start_server, start_proxy, vllm: VllmServer
 ) -> None:
@@ -198,16 +241,21 @@ def test_a_reasoning_answer_is_not_continued_by_a_way_proven_on_plain_answers(
     assert f"{rendering.url} continues by a rendered prompt on /v1/completions, {said}" in message
 
 
+@dataclass(frozen=True)
+class Address:
+    url: str
+
+
 @pytest.fixture(scope="module")
-def vllm_twin(vllm: VllmServer, server_logs: Path) -> Iterator[VllmServer]:
-    """A second vLLM on the same model: the same tokenizer, so ids move between them."""
-    twin = VllmServer(vllm.model_dir, log_dir=server_logs).start(timeout=300)
-    yield twin
-    twin.stop()
+def vllm_twin(vllm: VllmServer) -> Address:
+    """The module's vLLM under another address (localhost for 127.0.0.1): to the addon a
+    second vLLM server with the same tokenizer, so ids move between them. (A second
+    process would run the same weights the same way, and take minutes to start here.)"""
+    return Address(f"http://localhost:{vllm.port}")
 
 
 def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
-    start_proxy, vllm: VllmServer, vllm_twin: VllmServer
+    start_proxy, vllm: VllmServer, vllm_twin: Address
 ) -> None:
     """The first leg is asked for its ids (return_token_ids), which the client never sees;
     the twin goes on from its own ids of the prompt and the answer's, exactly as it goes
@@ -246,6 +294,41 @@ def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
         timeout=120,
     ).json()["choices"][0]["text"]  # fmt: skip
     assert after == direct
+
+
+def test_an_answer_is_never_handed_back_to_a_primary_not_proven_to_continue(
+    start_server, start_proxy, vllm: VllmServer, tmp_path: Path
+) -> None:
+    """A vLLM primary is asked nothing that generates, so it is never proven to continue
+    an answer. Moved away by pressure, the answer stays on llama-server when vLLM's card
+    is clear again, hand-back on: back on vLLM's chat route a trailing assistant message
+    would open a new turn, read by the client as the rest of the old one."""
+    fallback = start_server("fallback", ctx_size=16384, slots=2)
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    options = [
+        *watch_sysfs(sysfs, {vllm.url: "drm:card0", fallback.url: "drm:card1"}),
+        "spillover_hand_back=true", "spillover_dwell_s=0", "spillover_hand_back_min_tokens=1",
+    ]  # fmt: skip
+    proxy = start_proxy(vllm.url, [fallback.url], options=options)
+    assert proxy.servers_known()[vllm.url]["continues"] is not True
+    stayed: list[bool] = []
+
+    def steps(n: int) -> None:
+        if n != 10:
+            return
+        card0.set_used(15900)
+        assert live_on(proxy, fallback.url)
+        with held(fallback):  # live there, its primary clear, for the hand-back ticks
+            card0.set_used(10000)
+            stayed.append(not live_on(proxy, vllm.url, timeout=1.5))
+
+    stream = read_stream(proxy.url, chat_body(LONG, model=SERVED_NAME), on_chunk=steps)
+    assert stayed == [True]
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{vllm.url} -> {fallback.url}" in note and "memory pressure" in note
 
 
 def test_a_killed_vllm_primary_is_continued_by_llama_server(

@@ -35,7 +35,7 @@ class Fleet:
     def __init__(self, on_question: Callable[[Exchange], None] = lambda _: None) -> None:
         self.fallbacks: list[Upstream] = []
         self.servers = ServerDirectory(on_exchange=on_question)
-        self.router = Router()
+        self.router = Router(on_back=self.servers.back)
         self.credentials = Credentials()
         self.shadows = Shadows(self.question_headers)
         self.migrator = Migrator(None, headers=self.question_headers)

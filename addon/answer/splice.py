@@ -78,9 +78,7 @@ class Splice:
         self.transcript = Transcript()
         self.handoffs: list[Handoff] = []
         self.streaming = dialect.streaming(body)
-        self._next = NextLeg(
-            path, dialect, body, self.transcript, servers, self.asks_ids
-        )
+        self._next = NextLeg(path, dialect, body, self.transcript, servers, self.asks_ids)
         self._on_handoff = on_handoff
         self._on_exchange = on_exchange
         self.primary = route.primary
@@ -129,10 +127,14 @@ class Splice:
         has all its tokens), nowhere to go, or no server that could continue it
         faithfully; else a future that says whether it moved. Where that server surely
         has room the leg is cut at once; otherwise it goes on while servers are asked."""
-        targets = self._rungs.below() if targets is None else targets
-        if not targets or not self.can_cut or self._moving:
+        if not self.can_cut or self._moving:
             return None
         self.transcript.settle()
+        # Every move passes the one admission check (a hand-back names its target itself).
+        below = self._rungs.below() if targets is None else targets
+        targets = [t for t in below if self._admits(self.ladder[t])]
+        if not targets:
+            return None
         limit = self.dialect.limit(self.body)
         spent = limit is not None and self.transcript.produced >= limit
         if spent or self.dialect.cannot_continue(self.body, self.transcript) is not None:
@@ -167,7 +169,8 @@ class Splice:
         try:
             target = None
             for index in below:
-                if await self._next.fits(self.ladder[index]):
+                # Admitted again once its room is known: text may have gone out meanwhile.
+                if await self._next.fits(self.ladder[index]) and self._admits(self.ladder[index]):
                     target = index
                     break
             if target is None or leg is not self._leg_task or not self.can_cut:
@@ -278,6 +281,9 @@ class Splice:
                     body = rerouted(self.body, body, own)
                 path, rewriter = self.path, None
             else:
+                if (changed := await self._changed(upstream)) is not None:
+                    self._notes.tell(client, self.handoffs)
+                    return changed
                 try:
                     restored = await self._carry_state(upstream)
                     handoff = self.handoffs[-1]
@@ -294,6 +300,16 @@ class Splice:
             if restored is not None:
                 # Kept from other migrations until its continuation has been answered.
                 self._fleet.migrator.release(upstream.url, restored)
+
+    async def _changed(self, upstream: Upstream) -> str | None:
+        """Why `upstream` may no longer take this continuation: it changed since it was
+        proven (asked now, and learnt again where it did) and is no longer admitted."""
+        generate = upstream != self.primary  # a primary is asked nothing that generates
+        if (changed := await self._fleet.servers.recheck(upstream, generate)) is None:
+            return None
+        if self._admits(upstream):
+            return None  # learnt again, and it still continues: the leg uses what is known now
+        return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
 
     async def _carry_state(self, upstream: Upstream) -> int | None:
         """Before a continuation on `upstream`: let a shadow prefill in flight there end;

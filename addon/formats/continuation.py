@@ -30,10 +30,17 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
     body = with_fewer_tokens(original, transcript.produced, TOKEN_LIMIT_FIELDS)
     delivered, reasoning = transcript.text, transcript.reasoning_text
     if not delivered and not reasoning:
-        return body
+        return body  # nothing went out: the request as the client sent it, echo and all
+    # The client has had its echo (of the prompt, or of its own prefill), at the start of
+    # what was delivered: a later leg echoes nothing, and goes on from the answer alone.
+    echoed = body.pop("echo", None) is True
     if isinstance(body.get("prompt"), str):
+        if echoed:
+            delivered = delivered.removeprefix(body["prompt"])
         body["prompt"] += delivered  # a text completion simply goes on from its prompt
     else:
+        if echoed:
+            delivered = delivered.removeprefix(prefill_of(body) or "")
         messages = prefilled(list(body.get("messages") or []), delivered, _assistant)
         if reasoning:
             # llama-server goes on with the reasoning while the answer has no content yet,
@@ -63,10 +70,18 @@ def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
         return f"the answer so far has {parts}, which cannot be continued elsewhere"
     if not transcript.content:
         return None
-    if (constraint := constraint_of(body)) is not None:
-        return f"the answer is bound by {constraint}, which another server would start over"
+    if (why := bound_by(body)) is not None:
+        return why
     if _prefill_message(body) is not None and prefill_of(body) is None:
         return "the client's assistant prefill is not plain text"
+    return None
+
+
+def bound_by(body: dict[str, Any]) -> str | None:
+    """Why an answer with text sent cannot go on elsewhere for its constraint, in any API:
+    the next server would start the grammar over, mid-answer."""
+    if (constraint := constraint_of(body)) is not None:
+        return f"the answer is bound by {constraint}, which another server would start over"
     return None
 
 

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from addon.formats import sse
-from addon.formats.continuation import token_limit
+from addon.formats.continuation import bound_by, token_limit
 from addon.formats.dialect import (
     EchoStrip,
     Event,
@@ -214,6 +214,8 @@ class Messages:
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a tool call, which cannot be continued elsewhere"
+        if transcript.content and (why := bound_by(body)) is not None:
+            return why
         last = (body.get("messages") or [{}])[-1]
         assistant = isinstance(last, dict) and last.get("role") == "assistant"
         if assistant and text_of(last.get("content")) is None:

@@ -18,6 +18,7 @@ import copy
 import json
 from typing import Any
 
+from addon.formats.continuation import bound_by
 from addon.formats.dialect import (
     EchoStrip,
     Event,
@@ -212,8 +213,8 @@ class Ollama:
             return "the answer so far has a tool call, which cannot be continued elsewhere"
         if transcript.reasoning:
             return "the answer so far has thinking, which is not carried in an Ollama stream"
-        if body.get("format"):
-            return "the answer is bound by format, which another server would start over"
+        if transcript.content and (why := bound_by(body)) is not None:
+            return why
         last = (body.get("messages") or [{}])[-1]
         if last.get("role") == "assistant" and text_of(last.get("content")) is None:
             return "the client's assistant prefill is not plain text"

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from addon.formats import sse
+from addon.formats.continuation import bound_by
 from addon.formats.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
 from addon.formats.shape import positive_int
 from addon.formats.sizes import bound
@@ -328,6 +329,8 @@ class Responses:
     def cannot_continue(self, body: dict[str, Any], transcript: Transcript) -> str | None:
         if transcript.other_parts:
             return "the answer so far has a function call, which cannot be continued elsewhere"
+        if transcript.content and (why := bound_by(body)) is not None:
+            return why
         if (prefill := _prefill(body)) is not None and output_text(prefill) is None:
             return "the client's assistant prefill is not plain text"
         return None

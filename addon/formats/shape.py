@@ -67,10 +67,22 @@ def text_of(content: Any) -> str | None:
     return "".join(texts)
 
 
+CONSTRAINT_FIELDS = (
+    "grammar", "json_schema", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "regex", "ebnf", "format",
+)  # fmt: skip
+
+
 def constraint_of(body: dict[str, Any]) -> str | None:
-    """The field that binds the answer's shape (JSON, a grammar), if any. Anything in
-    `response_format` other than plain text counts, whatever its shape."""
-    response_format = body.get("response_format")
-    if response_format and mapping(response_format).get("type") != "text":
-        return "response_format"
-    return next((name for name in ("grammar", "json_schema") if body.get(name)), None)
+    """The field that binds the answer's shape (JSON, a grammar, a pattern, choices), if
+    any, in any API or engine's terms: OpenAI's `response_format`, Anthropic's
+    `output_format` and Responses' `text.format` (anything but plain text, whatever its
+    shape), llama.cpp's `grammar` and `json_schema`, vLLM's `structured_outputs` and its
+    older `guided_*` fields, SGLang's `regex` and `ebnf`, Ollama's `format`."""
+    for name in ("response_format", "output_format"):
+        if (value := body.get(name)) and mapping(value).get("type") != "text":
+            return name
+    text_format = mapping(body.get("text")).get("format")
+    if text_format and mapping(text_format).get("type") != "text":
+        return "text.format"
+    return next((name for name in CONSTRAINT_FIELDS if body.get(name)), None)

@@ -31,12 +31,12 @@ def text_completion(
     chat: dict[str, Any], prompt: str | list[int], max_tokens: int | None
 ) -> dict[str, Any]:
     """A streamed `/v1/completions` request of `prompt` (text or token ids) with the chat
-    request's sampling settings."""
-    body = {k: copy.deepcopy(v) for k, v in chat.items() if k not in CHAT_ONLY}
-    body |= {"prompt": prompt, "stream": True}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    return body
+    request's sampling settings. Its limit is always named: `max_tokens` left, or, where
+    the client set none, null, which vLLM and llama-cpp-python read as the rest of their
+    context (their text route's default is 16 tokens, where a chat answer has none)."""
+    # `echo` would send back the prompt, rendered or as ids: the client has had its echo.
+    body = {k: copy.deepcopy(v) for k, v in chat.items() if k not in (*CHAT_ONLY, "echo")}
+    return body | {"prompt": prompt, "stream": True, "max_tokens": max_tokens}
 
 
 class CompletionRewriter:

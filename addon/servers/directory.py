@@ -33,6 +33,7 @@ from addon.servers.credentials import Credentials
 from addon.servers.engines import ROUTER
 from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
+from addon.servers.identity import identity_of
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class ServerInfo:
     slot_context: int | None = None
     tokenizer: str | None = None
     model: str | None = None
+    identity: str | None = None  # what it said it runs when this was learnt (identity.py)
     # Questions it did not answer: {path: "why; what that turns off"}.
     unanswered: dict[str, str] = field(default_factory=dict)
     # It turned a question away for want of a key (HTTP 401 or 403): it judges clients.
@@ -138,6 +140,47 @@ class ServerDirectory:
             self._asked.pop(upstream, None)
         if running:
             self.learn([Upstream(url) for url in servers], fallbacks=True)
+
+    def back(self, url: str) -> None:
+        """`url` answers again after being down: it may be another process, with another
+        model; what it says it runs is asked again, and all of it where that changed."""
+        upstream = next((u for u in self.info if u.url == url), None)
+        if upstream is not None:
+            task = asyncio.ensure_future(self.recheck(upstream, generate=False))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def recheck(self, upstream: Upstream, generate: bool) -> str | None:
+        """Whether `upstream` still runs what it was proven on (what it says of its model
+        and build, its tokenizer's ids of a probe text), asked now; where not, all of it
+        is learnt again before this returns (`generate`: as a fallback is asked), and
+        what changed is returned. One that cannot be asked now is left as it was known
+        (a leg sent there fails, and says why)."""
+        info = self.info.get(upstream)
+        if info is None or not info.asked or upstream in self._probing:
+            return None
+        try:
+            props = await self._ask(upstream, "/props") if "/props" not in info.unanswered else None
+            models = await self._ask(upstream, "/v1/models")
+            changed = []
+            if identity_of(props, models) != info.identity:
+                changed.append("what it says it runs")
+            elif info.tokenizer is not None and (
+                await self._tokenizer(upstream, info, models) != info.tokenizer
+            ):
+                changed.append("its tokenizer")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        if not changed:
+            return None
+        why = f"{' and '.join(changed)} changed since it was proven"
+        log.warning("%s: %s: learning it again", upstream.url, why)
+        self._probing.add(upstream)
+        try:
+            await self.probe(upstream, generate)
+        finally:
+            self._probing.discard(upstream)
+        return why
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
@@ -208,6 +251,7 @@ class ServerDirectory:
             except (ValueError, KeyError, TypeError) as exc:
                 _unanswered(upstream, info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
+        info.identity = identity_of(props, models)
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
         info.model = self._named.get(upstream.url) or (info.models[0] if info.models else None)
         if info.slot_context is None and (length := engines.context_length(models)):

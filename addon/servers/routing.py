@@ -40,7 +40,9 @@ class Down:
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, on_back: Callable[[str], None] = lambda _: None) -> None:
+        """`on_back(url)`: a server that was down answers again (it may have changed)."""
+        self.on_back = on_back
         # The memory watcher's word on a server's cards: ("pressured" or "unknown", why),
         # or None when they are clear (or not watched).
         self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
@@ -112,6 +114,7 @@ class Router:
         elif url in self.down:
             log.info("%s answers again", url)
             del self.down[url]
+            self.on_back(url)
 
     def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
