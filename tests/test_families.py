@@ -18,6 +18,7 @@ from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.prompts import PROMPT, chat_body
 from tests.streams import assert_one_clean_stream, continuation, read_stream
+from tests.test_routing import wait_for
 
 LONG = 300
 RENDERED = "a rendered prompt on /v1/completions"
@@ -187,9 +188,9 @@ def test_a_fallback_restarted_with_another_model_is_learnt_again_before_it_conti
 ) -> None:
     """The fallback was proven with the primary's vocabulary, then restarted on the same
     port with another. With health checks off, nothing tells the proxy but the check made
-    right before the continuation is sent; with them on, it learns the new model as soon
-    as the server answers again. Either way the answer goes on as text, and what follows
-    the cut is the new model's own continuation."""
+    right before the continuation is sent; with them on, it sees the server down, and
+    learns the new model as soon as it answers again. Either way the answer goes on as
+    text, and what follows the cut is the new model's own continuation."""
     primary = start_server("primary")
     fallback = start_server("fallback")
     proxy = start_proxy(
@@ -198,6 +199,8 @@ def test_a_fallback_restarted_with_another_model_is_learnt_again_before_it_conti
     proven = proxy.servers_known()
     assert proven[fallback.url]["tokenizer"] == proven[primary.url]["tokenizer"]
     fallback.stop()
+    if health_s:
+        wait_for(proxy, fallback.url, "down")
     other = LlamaServer(models["turns-fallback"], port=fallback.port, log_dir=server_logs).start()
     try:
         if health_s:

@@ -534,9 +534,10 @@ def test_odd_bodies_the_server_streams_are_handed_off_cleanly(servers, proxy, pa
 
 
 def test_a_constrained_response_is_never_moved_mid_answer(start_proxy, servers) -> None:
-    """Responses' `text.format` binds the answer to a JSON schema (llama-server honours
-    it): a handoff asked mid-answer is declined, since the next server would start the
-    JSON over, and the client gets the primary's own answer, whole."""
+    """Responses' `text.format` binds the answer to a JSON schema: a handoff asked
+    mid-answer is declined, since the next server would start the JSON over, and the
+    client gets the primary's own answer, whole. (Whether this llama-server build
+    honours the field is its own affair: the addon goes by what the client asked.)"""
     primary, fallback = servers
     proxy = start_proxy(primary.url, [fallback.url])
     proxy.servers_known()
@@ -559,7 +560,6 @@ def test_a_constrained_response_is_never_moved_mid_answer(start_proxy, servers) 
         return text
 
     through = text_of(proxy.url, 12)
-    assert through.lstrip().startswith("{")  # the schema held
-    assert through == text_of(primary.url, None)
+    assert through and through == text_of(primary.url, None)
     status = httpx.get(f"{proxy.url}/spillover/status").json()
     assert status["recent_handoffs"] == []

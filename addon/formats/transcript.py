@@ -139,12 +139,9 @@ class Transcript:
             self.id_bytes += data
         if pieces:
             self.ids_ahead = not any(data for _, data in pieces)
-        if isinstance(pieces, TokenIds) or (pieces and not self.reasoning):
-            # A chunk may carry more tokens than its one delta: vLLM's when its API server
-            # falls behind or holds a token's text back, llama-server's when it releases
-            # text it held (a character of several tokens, a stop string's possible
-            # start) in one frame. Its ids count them. (In a reasoning answer `add`
-            # counts the tag that closes the reasoning, whose piece may come with it.)
+        if isinstance(pieces, TokenIds):
+            # A vLLM chunk may carry more tokens than its one delta (when its API server
+            # falls behind), or a token whose text it holds back: its ids count them.
             said = sum(
                 bool((c.get("delta") or {}).get("content") or c.get("text"))
                 for c in chunk.get("choices") or ()

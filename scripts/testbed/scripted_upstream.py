@@ -108,7 +108,9 @@ class FakeUpstream:
         with conn:
             data = b""
             while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
+                if not (more := conn.recv(65536)):
+                    return  # the client closed before its request was whole (a probe)
+                data += more
             head, _, body = data.partition(b"\r\n\r\n")
             length = next(
                 (
@@ -119,7 +121,9 @@ class FakeUpstream:
                 0,
             )
             while len(body) < length:
-                body += conn.recv(65536)
+                if not (more := conn.recv(65536)):
+                    return
+                body += more
             if head.startswith(b"GET /v1/models "):
                 conn.sendall(json_response(MODELS))
                 return
