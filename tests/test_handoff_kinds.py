@@ -3,12 +3,18 @@ of fallbacks, characters split across reads."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import openai
 import pytest
 
+from addon.answer.fleet import Fleet, Route
+from addon.answer.splice import Splice
+from addon.formats.carried import CHAT
+from addon.servers.directory import ServerInfo
+from addon.servers.upstream import Upstream
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.processes import free_port
 from scripts.testbed.prompts import TOOLS
@@ -261,3 +267,42 @@ def test_a_text_completion_stream_is_spliced_exactly(
     assert after == expected
     assert stream.chunks[-1]["usage"]["completion_tokens"] == 600
     assert len({c["id"] for c in stream.chunks}) == 1
+
+
+def test_a_move_is_admitted_again_when_its_room_is_known() -> None:
+    """The race of a move that must ask the target for room: it was admitted while no
+    text had gone out (any server may answer a request from the start), the first text
+    went out during the round trips, and the target is not proven to continue an
+    answer. The cut is decided when the room is known, so the answer stays where it is.
+    (No real server can be made to answer a room check at that moment on demand: the
+    check here is a stand-in that lets the first text out while it is asked.)"""
+    primary, unproven = Upstream("http://127.0.0.1:1"), Upstream("http://127.0.0.1:2")
+    fleet = Fleet()
+    fleet.servers.info[unproven] = ServerInfo(continues=False, continues_why="a new turn")
+    body = {"messages": [{"role": "user", "content": "Hi."}], "stream": True, "max_tokens": 50}
+
+    async def scenario() -> tuple[bool, bool]:
+        splice = Splice(
+            path="/v1/chat/completions", dialect=CHAT, headers=[], body=body,
+            raw_body=json.dumps(body).encode(), route=Route([primary, unproven], primary),
+            fleet=fleet,
+        )  # fmt: skip
+        leg = splice._leg_task = asyncio.ensure_future(asyncio.sleep(5))
+        splice._next.fits_without_asking = lambda _: False
+
+        async def fits(_: Upstream) -> bool:
+            await asyncio.sleep(0.01)  # the room check's round trips...
+            splice.transcript.begin_leg(primary.url)
+            splice.transcript.add("The river")  # ...while the first text goes out
+            return True
+
+        splice._next.fits = fits
+        moving = splice.handoff("asked", "requested")
+        assert moving is not None  # admitted when asked: nothing had gone out
+        moved = await moving
+        cut = leg.cancelling() > 0 or splice._pending is not None
+        leg.cancel()
+        return moved, cut
+
+    moved, cut = asyncio.run(scenario())
+    assert moved is False and not cut
