@@ -56,6 +56,7 @@ def test_a_whole_answer_survives_the_primary_dying_before_it_answers(
     """Fake primary: it accepts the request, stalls, and drops the connection unanswered."""
     fake = FakeUpstream([(b"", 0.3)])
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={**chat_body(40), "stream": False})
     assert reply.json()["choices"][0]["message"]["content"] == direct_text(fallback.url, 40)
     said = reply.headers["x-spillover-handoff"]
@@ -119,6 +120,7 @@ def test_characters_split_across_reads_arrive_whole(start_proxy, fallback: Llama
         (wire[cut:] + chunked(sse_chunk(finish="stop"), b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
     ])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(10))
     assert_one_clean_stream(stream)
     assert stream.text == " café 日本" and stream.notes == []
@@ -133,6 +135,7 @@ def test_a_cut_inside_a_character_delivers_only_whole_events(
     cut = wire.index("日".encode()) + 1
     fake = FakeUpstream([(wire[:cut], 0.2)])
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(10))
     assert_one_clean_stream(stream)
     assert stream.segments == [" café", continuation(fallback.url, " café", 9)]
@@ -183,6 +186,7 @@ def test_tool_calls_reach_the_client_whole(start_proxy, fallback: LlamaServer) -
         ) + b"0\r\n\r\n", 0,
     )])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     pieces = []
     with tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream:
         for event in stream:
@@ -226,6 +230,7 @@ def test_after_a_whole_call_went_out_a_failure_is_told_clearly(
         ), 0.2,
     )])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     with (
         pytest.raises(openai.APIError, match="tool_calls, which cannot be continued"),
         tool_stream(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")) as stream,

@@ -188,6 +188,7 @@ def test_an_error_event_from_the_primary_hands_off(start_proxy, servers) -> None
     events = [start, block, delta(" the"), delta(" river"), error]
     fake = scripted(events)
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()  # the fallback is proven to continue before the answer starts
     got, text = messages_stream(proxy.url, 30)
     assert_one_message(got, text, 30)
     assert text.startswith(" the river")
@@ -387,6 +388,7 @@ def test_an_error_event_in_a_responses_stream_hands_off(start_proxy, servers) ->
     ]
     fake = scripted(events)
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()  # the fallback is proven to continue before the answer starts
     got, text = responses_stream(proxy.url, 30)
     assert_one_response(got, text, 30)
     assert got[-1].response.id == "resp_1" and got[-1].response.output[0].id == "msg_1"

@@ -214,6 +214,7 @@ def test_in_band_error_from_the_primary_hands_off(start_proxy, fallback: LlamaSe
         (b"0\r\n\r\n", 0),
     ])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(60))
     assert_one_clean_stream(stream)
     assert "Context size has been exceeded" in stream.notes[0]
@@ -229,6 +230,7 @@ def test_handoff_right_before_the_primarys_finish(start_proxy, fallback: LlamaSe
         (chunked(sse_chunk(finish="length"), b"data: [DONE]\n\n") + b"0\r\n\r\n", 0),
     ])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(3), on_chunk=handoff_after(proxy, 3))
     assert_one_clean_stream(stream)
     assert stream.segments == [" the river", continuation(fallback.url, " the river", 1)]
@@ -242,6 +244,7 @@ def test_handoff_before_the_first_token(start_proxy, fallback: LlamaServer) -> N
     """Fake primary: it sends the role delta and stalls, so the cut lands before any text."""
     fake = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True)), 5)])
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(40), on_chunk=handoff_after(proxy, 1))
     assert_one_clean_stream(stream)
     assert stream.segments == ["", direct_text(fallback.url, 40)]
@@ -272,6 +275,7 @@ def test_a_handoff_with_nothing_left_to_move_is_refused(
     before, max_tokens, after, text, finish = NOTHING_LEFT[case]
     fake = FakeUpstream([(STREAM_HEAD + before, 1), (after + b"0\r\n\r\n", 0)])
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     counts: list[int] = []
     stream = read_stream(
         proxy.url,
@@ -294,6 +298,7 @@ def test_garbage_from_the_primary_hands_off_without_passing_it_on(
         (b"0\r\n\r\n", 0),
     ])  # fmt: skip
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(30))
     assert_one_clean_stream(stream)
     assert "garbled" in stream.notes[0]
@@ -307,7 +312,12 @@ def test_dead_primary_starts_on_the_fallback(start_proxy, fallback: LlamaServer)
     text = "".join(
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model="any", messages=PROMPT, max_tokens=60, temperature=0, stream=True
+            model="any",
+            messages=PROMPT,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            extra_body={"cache_prompt": False},  # read whole, as direct_text reads it
         )
         if c.choices
     )
@@ -320,6 +330,7 @@ def test_primary_503_before_any_byte_starts_on_the_fallback(
     """Fake primary: llama-server answers 503 only while loading, too briefly to catch."""
     fake = FakeUpstream([(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", 0)])
     proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
     stream = read_stream(proxy.url, chat_body(50))
     assert_one_clean_stream(stream)
     assert "HTTP 503" in stream.notes[0]
