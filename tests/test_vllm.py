@@ -22,6 +22,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
@@ -329,6 +330,68 @@ def test_an_answer_is_never_handed_back_to_a_primary_not_proven_to_continue(
     assert_one_clean_stream(stream)
     (note,) = stream.notes
     assert f"{vllm.url} -> {fallback.url}" in note and "memory pressure" in note
+
+
+@pytest.fixture(scope="module")
+def vllm_turns(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
+    """vLLM on the HF copy of the turns family's model: another vocabulary, and a
+    template that writes BOS itself and trims each message."""
+    server = VllmServer(hf_copy(models["turns-fallback"]), log_dir=server_logs)
+    server.start(timeout=300)
+    yield server
+    server.stop()
+
+
+def test_vllm_of_another_family_is_proven_and_continues_a_cut_answer(
+    start_server, start_proxy, vllm: VllmServer, vllm_turns: VllmServer
+) -> None:
+    """The proof holds for a template it was not written for, and finds what that
+    template does to an answer's trailing whitespace (the chatml one keeps it)."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [vllm_turns.url, vllm.url])
+    known = proxy.servers_known()
+    turns = known[vllm_turns.url]
+    assert turns["continues"] is True and turns["continues_by"] == "continue_final_message"
+    assert (
+        turns["trims_whitespace"] is True and "drops an answer's trailing" in turns["continues_why"]
+    )
+    assert known[vllm.url]["trims_whitespace"] is False
+    assert turns["tokenizer"] != known[vllm.url]["tokenizer"]
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model="any"), on_chunk=lambda n: n == 40 and primary.kill()
+    )
+    assert_continued_by_vllm(stream, primary, vllm_turns, "connection")
+
+
+def test_an_answer_ending_in_whitespace_passes_a_server_whose_template_trims_it(
+    start_proxy, vllm: VllmServer, vllm_turns: VllmServer
+) -> None:
+    """Cut right after "\n\n" (a scripted primary: no real server stops there on
+    demand). The trimming vLLM would read the answer without it and write it again; the
+    answer goes on on the vLLM whose template keeps it, or, with no such server, ends
+    with an error that says why."""
+    said = [sse_chunk(role=True), sse_chunk("The river"), sse_chunk(" bridge"), sse_chunk("\n\n")]
+    script = [(STREAM_HEAD + chunked(*said), 0.2)]
+    primary = FakeUpstream(script)
+    proxy = start_proxy(primary.url, [vllm_turns.url, vllm.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(LONG, model="any"))
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"-> {vllm.url}" in note
+    before, after = stream.segments
+    assert before == "The river bridge\n\n"
+    assert after == vllm_continuation(vllm.url, before, LONG - 3)
+
+    alone = FakeUpstream(script)
+    proxy = start_proxy(alone.url, [vllm_turns.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(LONG, model="any"))
+    message = stream.errors[0]["error"]["message"]
+    assert "drops the trailing whitespace the answer so far ends with" in message
+    assert stream.text == "The river bridge\n\n"
+    primary.close()
+    alone.close()
 
 
 def test_a_killed_vllm_primary_is_continued_by_llama_server(

@@ -82,27 +82,36 @@ class Fleet:
     def state(self, url: str) -> str:
         return self.router.state(url)[0]
 
-    def continues(self, server: Upstream, dialect: str) -> bool:
+    def continues(self, server: Upstream, dialect: str, spaced: bool = False) -> bool:
         """Whether `server` is proven to continue a partial assistant message sent in
-        `dialect`'s API. A way of asking other than the message alone (continue_final_message,
-        a rendered prompt) is chat's, proven on chat: another API's request cannot take it."""
+        `dialect`'s API (`spaced`: one that ends in whitespace). A way of asking other than
+        the message alone (continue_final_message, a rendered prompt) is chat's, proven on
+        chat: another API's request cannot take it."""
         info = self.servers.get(server)
-        return info.continues is True and (
-            info.continues_by == TRAILING_MESSAGE.name or dialect == "chat"
+        return (
+            info.continues is True
+            and (info.continues_by == TRAILING_MESSAGE.name or dialect == "chat")
+            and not (spaced and info.trims_whitespace)
         )
 
     def unproven(
-        self, ladder: Sequence[Upstream], admits: Callable[[Upstream], bool], dialect: str
+        self,
+        ladder: Sequence[Upstream],
+        admits: Callable[[Upstream], bool],
+        dialect: str,
+        spaced: bool = False,
     ) -> str:
         """Why servers of `ladder` that `admits` turns away for want of proof continue
         nothing in `dialect`'s API ("" when there are none), for the client's error."""
         whys = []
         for server in ladder:
-            if admits(server) or self.continues(server, dialect):
+            if admits(server) or self.continues(server, dialect, spaced):
                 continue
             info = self.servers.get(server)
             why = info.continues_why
-            if info.continues:
+            if info.continues and spaced and info.trims_whitespace:
+                why = "it drops the trailing whitespace the answer so far ends with"
+            elif info.continues:
                 why = f"it continues chat answers only, by {info.continues_by}"
             whys.append(f"{server.url} ({why})")
         return f"; not proven to continue an answer: {', '.join(whys)}" if whys else ""

@@ -104,7 +104,13 @@ class Splice:
             return True
         self.transcript.settle()
         delivered = self.transcript.content or self.transcript.reasoning
-        return not delivered or fleet.continues(server, self.dialect.name)
+        return not delivered or fleet.continues(server, self.dialect.name, self._spaced)
+
+    @property
+    def _spaced(self) -> bool:
+        """Whether the answer so far ends in whitespace (which a trimming template drops)."""
+        content = self.transcript.content
+        return bool(content) and content[-1][-1:].isspace()
 
     @property
     def current(self) -> Upstream:
@@ -235,7 +241,9 @@ class Splice:
                 self._give_up(client, f"{failure}; {why}")
                 return
             if target is None:
-                unproven = self._fleet.unproven(self.ladder, self._admits, self.dialect.name)
+                unproven = self._fleet.unproven(
+                    self.ladder, self._admits, self.dialect.name, self._spaced
+                )
                 self._give_up(client, failure + unproven)
                 return
             self._announce(failure, kind, decided, target)

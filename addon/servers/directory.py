@@ -66,6 +66,8 @@ class ServerInfo:
     continues: bool | None = None
     continues_by: str | None = None
     continues_why: str = "not checked yet"
+    # Its way of continuing drops an answer's trailing whitespace (proof.py).
+    trims_whitespace: bool = False
     settled: bool = False  # it answered; what is not known by now is not asked again
     asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None
@@ -270,6 +272,7 @@ class ServerDirectory:
                 )
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
+                info.trims_whitespace = found.trims
                 if found.template is not None:  # as its text route is to be given it
                     self.templates[upstream] = found.template
                 info.settled = True  # it answered: not asked again

@@ -35,6 +35,9 @@ Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answ
 USER = {"role": "user", "content": "Continue."}
 PARTIAL = "Zq7 mo"
 LONGER = PARTIAL + " the river ran under the old bridge"
+# An answer cut after whitespace: a template that trims the message drops it, and the
+# model, going on from the text without it, writes it again.
+SPACED = PARTIAL + " \n\n"
 TWO_TURNS = [USER, {"role": "assistant", "content": PARTIAL}, {"role": "user", "content": "More."}]
 PATH = "/v1/completions"
 ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError)  # a question that went wrong
@@ -46,6 +49,9 @@ class Proof:
     why: str
     continuer: Continuer | None = None  # the way it is asked to, when it does
     template: ChatTemplate | None = None  # as a rendered prompt is made for it, if so
+    # It drops an answer's trailing whitespace (its template trims the message): it may
+    # not continue an answer whose delivered text ends in whitespace.
+    trims: bool = False
 
 
 async def continues(
@@ -67,7 +73,7 @@ async def continues(
         return await _rendered_open(ask, model)
     if tokenize_request(engine, "") is None:
         return Proof(None, f"not checked: {engine} has no tokenize route known to the addon")
-    counted = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER)]
+    counted = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER, SPACED)]
     alone = _prompt_tokens(await ask("/v1/chat/completions", _probe([USER], model)))
     own = [n for n in counted if n is not None]
     if len(own) < len(counted) or alone is None:
@@ -88,22 +94,37 @@ async def continues(
             why = f"it refuses {way.name} ({failed(exc)})"
         if why is None:
             why = f"{way.name} adds no more than its own tokens to the prompt"
-            return Proof(True, "; ".join([*whys, why]), way)
+            trims = await _trims(_chat_counter(ask, way, model), own)
+            return Proof(True, "; ".join([*whys, why]) + (TRIMS if trims else ""), way, trims=trims)
         whys.append(why)
     return Proof(False, "; ".join(whys))
 
 
 async def _rendered_open(ask: Ask, model: str | None) -> Proof:
     request: dict[str, Any] = {"model": model} if model else {}
-    request["messages"] = [USER, _assistant(PARTIAL)]
+    request["messages"] = [USER, _assistant(SPACED)]
     rendered = (await ask("/apply-template", request))["prompt"]
     if isinstance(rendered, str) and rendered.endswith(PARTIAL):
+        why = "its template leaves a trailing assistant message open (/apply-template)"
+        return Proof(True, why + TRIMS, TRAILING_MESSAGE, trims=True)
+    if isinstance(rendered, str) and rendered.endswith(SPACED):
         why = "its template leaves a trailing assistant message open (/apply-template)"
         return Proof(True, why, TRAILING_MESSAGE)
     return Proof(False, "its template closes a trailing assistant message (/apply-template)")
 
 
 Counter = Callable[[str], Awaitable[int | None]]  # a partial answer -> the prompt's tokens
+TRIMS = ", but drops an answer's trailing whitespace (its template trims the message)"
+
+
+async def _trims(count: Counter, own: list[int]) -> bool:
+    """Whether whitespace after the message is dropped: the prompt grows by less from
+    PARTIAL to SPACED than the tokenizer makes of that whitespace on its own. Not known
+    counts as dropped."""
+    partial, spaced = await count(PARTIAL), await count(SPACED)
+    if partial is None or spaced is None:
+        return True
+    return spaced - partial != own[3] - own[1]
 
 
 def _chat_counter(ask: Ask, way: Continuer, model: str | None) -> Counter:
