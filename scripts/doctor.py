@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 
 from addon.servers.credentials import read_secret
-from addon.servers.directory import ServerDirectory, ServerInfo
+from addon.servers.directory import ServerDirectory
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
+from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen

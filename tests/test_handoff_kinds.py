@@ -13,7 +13,7 @@ import pytest
 from addon.answer.fleet import Fleet, Route
 from addon.answer.splice import Splice
 from addon.formats.carried import CHAT
-from addon.servers.directory import ServerInfo
+from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.processes import free_port

@@ -156,6 +156,8 @@ class NextLeg:
         vocabulary = self.transcript.vocabulary
         if vocabulary is None or servers.get(upstream).tokenizer != vocabulary:
             return None
+        if upstream in servers.unverified:
+            return None  # what it runs now could not be asked: its ids are not trusted
         return self.transcript.exact_ids()
 
     async def _exact_start(self, upstream: Upstream) -> tuple[str, list[int]] | None:

@@ -1,4 +1,7 @@
-"""What the addon knows about each upstream server, asked once through a shared client.
+"""What the addon knows about each upstream server (info.py), asked through a shared
+client when it is first needed, and again whenever the server may have changed
+(identity.py): when it answers again after being down, and right before a continuation
+is sent there.
 
 - Which engine it is and the models it serves (`engines.py`).
 - Whether it continues a partial assistant message, proven (`proof.py`): a server that
@@ -17,7 +20,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -34,6 +36,7 @@ from addon.servers.engines import ROUTER
 from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.identity import identity_of
+from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -46,61 +49,6 @@ TOKENIZER_PROBE = (
     "The quick brown fox, 1234567 über naïve café; 東京 🙂 <|im_start|><|im_end|><s></s>"
     "<|begin_of_text|><|eot_id|><start_of_turn><end_of_turn>\n\t  x"
 )
-
-
-# What a server's unanswered question turns off.
-NEEDED_FOR = {
-    "/props": "room checks (its context per slot is unknown)",
-    "/v1/models": "knowing its model and tokenizer (token-exact replay)",
-    "/tokenize": "token-exact replay (its tokenizer is unknown)",
-    "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
-}
-
-
-@dataclass
-class ServerInfo:
-    engine: str | None = None
-    models: list[str] = field(default_factory=list)
-    # Whether it continues a partial assistant message (None: not known, so no), the way
-    # it is asked to (formats/continuers.py), and how that is known (proof.py).
-    continues: bool | None = None
-    continues_by: str | None = None
-    continues_why: str = "not checked yet"
-    # Its way of continuing drops an answer's trailing whitespace (proof.py).
-    trims_whitespace: bool = False
-    settled: bool = False  # it answered; what is not known by now is not asked again
-    asked: bool = False  # every start-up question has been answered, or has failed
-    echoes_prefill: bool | None = None
-    template_from: str | None = None  # where its chat template was read (or why not)
-    slot_context: int | None = None
-    tokenizer: str | None = None
-    model: str | None = None
-    identity: str | None = None  # what it said it runs when this was learnt (identity.py)
-    # Questions it did not answer: {path: "why; what that turns off"}.
-    unanswered: dict[str, str] = field(default_factory=dict)
-    # It turned a question away for want of a key (HTTP 401 or 403): it judges clients.
-    wants_key: bool = False
-    # With spillover_slot_dir: what it computes (fingerprint.py), or why that is unknown.
-    fingerprint: Fingerprint | str | None = None
-
-    def as_status(self) -> dict[str, Any]:
-        status = dict(vars(self))
-        if isinstance(self.fingerprint, Fingerprint):
-            status["fingerprint"] = self.fingerprint.as_status()
-        return status
-
-
-def _unanswered(upstream: Upstream, info: ServerInfo, path: str, exc: Exception) -> None:
-    status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
-    why = f"HTTP {status}" if status is not None else repr(exc)
-    info.wants_key = info.wants_key or status in (401, 403)
-    info.unanswered[path] = f"{why}; turns off {NEEDED_FOR[path]}"
-    log.info("%s: no answer to %s: %s", upstream.url, path, info.unanswered[path])
-
-
-def _slot_context(props: Any) -> int | None:
-    """The context per slot a llama-server's `/props` says (0, a router's: unknown)."""
-    return int(props["default_generation_settings"]["n_ctx"]) or None
 
 
 def _changed(old: dict[str, str], new: dict[str, str]) -> set[str]:
@@ -120,6 +68,8 @@ class ServerDirectory:
         self._named: dict[str, str] = {}  # server -> the model it is asked in
         self._template_files: dict[str, str] = {}  # server -> its model's template file
         self.templates: dict[Upstream, ChatTemplate] = {}
+        # Servers whose last check before a continuation could not be answered.
+        self.unverified: set[Upstream] = set()
         # Where every server saves its slots (spillover_slot_dir): set, each server is
         # fingerprinted too (one probe completion, not cached), for KV migration.
         self.slot_dir: Path | None = None
@@ -172,7 +122,9 @@ class ServerDirectory:
             ):
                 changed.append("its tokenizer")
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            self.unverified.add(upstream)  # its tokenizer is not known now: text, not ids
             return None
+        self.unverified.discard(upstream)
         if not changed:
             return None
         why = f"{' and '.join(changed)} changed since it was proven"
@@ -249,9 +201,9 @@ class ServerDirectory:
         props = await self._answer(info, upstream, "/props")
         if props is not None:
             try:
-                info.slot_context = _slot_context(props)
+                info.slot_context = slot_context(props)
             except (ValueError, KeyError, TypeError) as exc:
-                _unanswered(upstream, info, "/props", exc)
+                unanswered(upstream, info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
         info.identity = identity_of(props, models)
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
@@ -284,7 +236,7 @@ class ServerDirectory:
         try:
             info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            _unanswered(upstream, info, "/tokenize", exc)
+            unanswered(upstream, info, "/tokenize", exc)
         if generate:
             try:
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
@@ -292,7 +244,7 @@ class ServerDirectory:
                     upstream, self.own_model(upstream, None), way
                 )
             except (httpx.HTTPError, ValueError) as exc:
-                _unanswered(upstream, info, "/v1/chat/completions", exc)
+                unanswered(upstream, info, "/v1/chat/completions", exc)
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
@@ -330,16 +282,16 @@ class ServerDirectory:
         if not may_load or info.model is None:
             return None
         try:
-            return _slot_context(await self._ask(upstream, f"/props?model={quote(info.model)}"))
+            return slot_context(await self._ask(upstream, f"/props?model={quote(info.model)}"))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            _unanswered(upstream, info, "/props", exc)
+            unanswered(upstream, info, "/props", exc)
             return None
 
     async def _answer(self, info: ServerInfo, upstream: Upstream, path: str) -> Any:
         try:
             return await self._ask(upstream, path)
         except (httpx.HTTPError, ValueError) as exc:
-            _unanswered(upstream, info, path, exc)
+            unanswered(upstream, info, path, exc)
             return None
 
     async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
