@@ -373,9 +373,10 @@ def _requests_processing(server: LlamaServer) -> float:
 
 @pytest.mark.parametrize("after_handoff", [False, True])
 def test_client_disconnect_cancels_the_legs(start_server, start_proxy, after_handoff: bool) -> None:
-    # 4,096-token slots: room for the whole 3,000-token answer on either server.
+    # 4,096-token slots: room for the whole 3,000-token answer on either server. The
+    # fallback runs the slower model too, so it is still writing when its load is read.
     primary = start_server("primary", ctx_size=16384)
-    fallback = start_server("fallback", ctx_size=16384)
+    fallback = start_server("primary", ctx_size=16384)
     proxy = start_proxy(primary.url, [fallback.url])
     with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=chat_body(3000)) as r:
         lines = r.iter_lines()

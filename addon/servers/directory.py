@@ -112,7 +112,10 @@ class ServerDirectory:
         if info is None or not info.asked or upstream in self._probing:
             return None
         try:
-            props = await self._ask(upstream, "/props") if "/props" not in info.unanswered else None
+            try:
+                props = await self._ask(upstream, "/props")
+            except (httpx.HTTPError, ValueError):
+                props = None  # as when it was learnt: an engine without /props
             models = await self._ask(upstream, "/v1/models")
             changed = []
             if identity_of(props, models) != info.identity:
