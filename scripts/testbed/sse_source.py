@@ -9,7 +9,8 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
 With "logprobs": true each chunk carries its token's id, as llama-server's do; with
 "big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
 It also
-answers the questions the addon asks a server at start (/props, /v1/models, /tokenize),
+answers the questions the addon asks a server at start (/props, /v1/models, /tokenize,
+/apply-template),
 and `GET /bench/requests` says how many streams it served and how many of them asked for
 token ids (so a benchmark can check that each of its rows takes the path it names).
 """
@@ -69,6 +70,11 @@ async def send_big_event(writer: asyncio.StreamWriter, mib: int) -> None:
     writer.write(framed(b'"},"finish_reason":null}],"object":"chat.completion.chunk"}\n\n'))
 
 
+def respond(writer: asyncio.StreamWriter, payload: object) -> None:
+    answer = json.dumps(payload).encode()
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+
+
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
@@ -79,12 +85,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                     length = int(line.split(b":")[1])
             body = json.loads(await reader.readexactly(length) or b"{}")
             path = head.split(b" ")[1].decode()
+            if path == "/apply-template":  # as llama-server renders: a last message left open
+                prompt = "".join(str(m.get("content")) for m in body.get("messages") or [])
+                respond(writer, {"prompt": prompt})
+                continue
             if path in ABOUT or head.startswith(b"GET"):
-                answer = json.dumps(served if path == "/bench/requests" else ABOUT.get(path, "ok"))
-                answer = answer.encode()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer)
-                )
+                respond(writer, served if path == "/bench/requests" else ABOUT.get(path, "ok"))
                 continue
             ids = body.get("logprobs") is True
             served["streams"] += 1
