@@ -31,7 +31,7 @@ from scripts.testbed.vllmserver import (
     ensure_usable,
     hf_copy,
 )
-from tests.streams import assert_one_clean_stream, continuation, read_stream
+from tests.streams import assert_one_clean_stream, continuation, direct_text, read_stream
 from tests.test_routing import live_on
 from tests.test_splice import held
 
@@ -392,6 +392,24 @@ def test_an_answer_ending_in_whitespace_passes_a_server_whose_template_trims_it(
     assert stream.text == "The river bridge\n\n"
     primary.close()
     alone.close()
+
+
+def test_a_prompt_too_long_for_vllm_goes_to_a_server_with_more_room(
+    start_server, start_proxy, vllm: VllmServer
+) -> None:
+    """vLLM refuses a prompt longer than its max_model_len (400, in its own words): the
+    request goes to a llama-server with a larger context, as the client sent it."""
+    roomy = start_server("fallback", ctx_size=16384, slots=1)
+    question = [{"role": "user", "content": " ".join(["the river and the bridge"] * 1000)}]
+    body = chat_body(20, model=SERVED_NAME, messages=question)
+    direct = httpx.post(f"{vllm.url}/v1/chat/completions", json={**body, "stream": False})
+    assert direct.status_code == 400 and "maximum context length" in direct.text
+    proxy = start_proxy(vllm.url, [roomy.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, body)
+    assert_one_clean_stream(stream)
+    assert f"HTTP 400 from {vllm.url}: the prompt does not fit its context" in stream.notes[0]
+    assert stream.text == direct_text(roomy.url, 20, messages=question)
 
 
 def test_a_killed_vllm_primary_is_continued_by_llama_server(

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from addon.answer.early import EarlyRefusals
 from addon.answer.fleet import Fleet, Route
 from addon.answer.ladder import Ladder
 from addon.answer.notes import Notes
@@ -92,6 +93,7 @@ class Splice:
         self._notes = Notes(dialect, route.note)
         self._limits = fleet.pace
         self._pace: Pace | None = None  # the current leg's
+        self._early = EarlyRefusals(fleet, self.ladder, self._rungs)
 
     def _admits(self, server: Upstream) -> bool:
         """Whether the answer may go on on `server` now: the client may be served there
@@ -236,6 +238,11 @@ class Splice:
                 return
             if target is None:
                 target = self._rungs.after_failure()
+            if target is None and (wait := self._early.retry_soon(client.started)) is not None:
+                log.info("%s is asked again in %.2f s (it asked to wait)", self.current.url, wait)
+                await asyncio.sleep(wait)
+                self._rungs.failed.discard(self._rungs.at)
+                continue
             self.transcript.settle()
             if (why := self.dialect.cannot_continue(self.body, self.transcript)) is not None:
                 self._give_up(client, f"{failure}; {why}")
@@ -279,6 +286,7 @@ class Splice:
         """Stream one leg into the client. None when the answer is complete, otherwise
         why the leg failed."""
         upstream = self.current
+        self._early.busy_wait = None
         self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
         restored: int | None = None  # a migration's slot on `upstream` that holds the answer
         try:
@@ -376,15 +384,20 @@ class Splice:
             if response.status != 200:
                 if response.status in NOT_SERVED and upstream != self.primary:
                     return f"{upstream.url} does not serve {path} (HTTP {response.status})"
-                bad_input = response.status < 500 and not client.started
-                if bad_input or not self.handoffs:
-                    said, head = await response.read_all(), list(response.headers)
-                    refusal = (response.status, head, said, response.reason)
-                    if bad_input:
-                        # The request itself was refused, by the first server or by one that
-                        # was asked it unchanged: the client gets the refusal as is.
-                        client.respond(*refusal)
-                        return None
+                if client.started:
+                    return f"HTTP {response.status} from {upstream.url}"
+                said, head = await response.read_all(), list(response.headers)
+                refusal = (response.status, head, said, response.reason)
+                if (elsewhere := self._early.elsewhere(upstream, refusal)) is not None:
+                    # The client's own error, if no other server can answer: the first.
+                    self._refusal = self._refusal or refusal
+                    return elsewhere
+                if response.status < 500:
+                    # The request itself was refused, by the first server or by one that
+                    # was asked it unchanged: the client gets the refusal as is.
+                    client.respond(*refusal)
+                    return None
+                if not self.handoffs:
                     self._refusal = refusal  # for the client, if no other server can answer
                 return f"HTTP {response.status} from {upstream.url}"
             if not self.streaming:

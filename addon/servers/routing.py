@@ -5,6 +5,8 @@
   dwell time (the memory watcher says so);
 - down: it refused a connection, died mid-answer or stalled, or its `GET /health` (asked
   every second) failed; back as soon as /health answers;
+- busy: it refused a request for now (408, 429, 503: servers/refusals.py); it gets no
+  new request for its Retry-After;
 - draining: a person asked (`spillover.drain`); it gets no new request;
 - unknown: a card it uses has no fresh reading (a remote card whose Prometheus does not
   answer, a series gone stale): not known to be fine, so an ok server is preferred.
@@ -47,6 +49,8 @@ class Router:
         # or None when they are clear (or not watched).
         self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
         self.down: dict[str, Down] = {}
+        self.busy: dict[str, tuple[str, float]] = {}  # server -> (why, until)
+        self.refusals: dict[str, int] = {}  # requests refused before their first byte, by kind
         self.draining: set[str] = set()
         self.reroutes: dict[str, int] = {}  # new requests started away from the primary, by why
         self.seconds_in: dict[tuple[str, str], float] = {}  # (server, state): time spent
@@ -57,6 +61,10 @@ class Router:
             return "draining", "drained by request"
         if (down := self.down.get(url)) is not None:
             return "down", down.why
+        if (busy := self.busy.get(url)) is not None:
+            if time.monotonic() < busy[1]:
+                return "busy", busy[0]
+            del self.busy[url]
         if (judged := self.memory(url)) is not None:
             return judged
         return "ok", None
@@ -81,6 +89,15 @@ class Router:
         self.reroutes[state] = self.reroutes.get(state, 0) + 1
         note = f"started on {ladder[start].url}: {ladder[0].url} is {state} ({why})"
         return [ladder[start], *ladder[:start], *ladder[start + 1 :]], note
+
+    def mark_busy(self, url: str, seconds: float, why: str) -> None:
+        """`url` refused a request for now: new requests start elsewhere for `seconds`."""
+        until = time.monotonic() + seconds
+        if url not in self.busy or self.busy[url][1] < until:
+            self.busy[url] = (why, until)
+
+    def refused(self, kind: str) -> None:
+        self.refusals[kind] = self.refusals.get(kind, 0) + 1
 
     def mark_down(self, url: str, why: str) -> None:
         if url not in self.down:

@@ -75,6 +75,15 @@ class Metrics:
         for state, count in (routing.get("reroutes") or {}).items():
             reroutes.add_metric([state], count)
         yield reroutes
+        refusals = CounterMetricFamily(
+            "spillover_refusals",
+            "Requests a server refused before their first byte that went elsewhere or were "
+            "retried, by kind (busy, out_of_context, retried).",
+            labels=["kind"],
+        )
+        for kind, count in (routing.get("refusals") or {}).items():
+            refusals.add_metric([kind], count)
+        yield refusals
         spent = CounterMetricFamily(
             "spillover_server_state_seconds",
             "Time each server has spent in each routing state.",
@@ -85,7 +94,7 @@ class Metrics:
         yield spent
         now = GaugeMetricFamily(
             "spillover_server_state",
-            "1 for each server's routing state now (ok, unknown, pressured, down, draining).",
+            "1 for each server's routing state now (ok, unknown, pressured, busy, down, draining).",
             labels=["server", "state"],
         )
         for server, state in (routing.get("states") or {}).items():

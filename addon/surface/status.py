@@ -27,6 +27,7 @@ def assemble_status(
         "routing": {
             "states": router.status(urls),
             "reroutes": dict(router.reroutes),
+            "refusals": dict(router.refusals),
             "seconds_in": [
                 {"server": url, "state": state, "seconds": round(seconds, 1)}
                 for (url, state), seconds in router.seconds_in.items()

@@ -88,8 +88,12 @@ class FakeUpstream:
     then closes the connection; `/v1/models` and `/apply-template` as llama-server does
     (see MODELS). Anything else (the addon's other start-up questions) gets 404."""
 
-    def __init__(self, script: Sequence[tuple[bytes, float]]) -> None:
+    def __init__(
+        self, script: Sequence[tuple[bytes, float]], later: Sequence[tuple[bytes, float]] = ()
+    ) -> None:
+        """`script` answers the first request; `later`, when given, every one after it."""
         self.script = list(script)
+        self.later = list(later)
         self.requests: list[bytes] = []
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
@@ -134,8 +138,9 @@ class FakeUpstream:
                 conn.sendall(NOT_FOUND)
                 return
             self.requests.append(body)
+            script = self.later if self.later and len(self.requests) > 1 else self.script
             try:
-                for part, pause in self.script:
+                for part, pause in script:
                     conn.sendall(part)
                     time.sleep(pause)
             except OSError:

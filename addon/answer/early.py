@@ -1,0 +1,74 @@
+"""One request's refusals before its first byte (servers/refusals.py): whether it goes on
+to another server, and when a busy server that is the only one left is asked again.
+
+A busy server (408, 429, 503) is marked so for its Retry-After, and new requests start
+elsewhere meanwhile; a request it refused goes to the next server with room. One whose
+context is too small for the prompt passes the request to a server with more room, or
+room not known. Where no other server can take it and the busy one asked for a short
+wait, it is asked again after that wait, jittered, a few times at most; otherwise the
+client gets the first refusal as the server sent it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from addon.answer.fleet import Fleet
+from addon.answer.ladder import Ladder
+from addon.formats.wire import Header
+from addon.servers import refusals
+from addon.servers.upstream import Upstream
+
+SHORT_WAIT_S = 5.0  # the longest Retry-After waited out here
+RETRIES = 2
+log = logging.getLogger(__name__)
+
+
+class EarlyRefusals:
+    def __init__(self, fleet: Fleet, ladder: list[Upstream], rungs: Ladder) -> None:
+        self._fleet = fleet
+        self._ladder = ladder
+        self._rungs = rungs
+        self.busy_wait: float | None = None  # the Retry-After of this leg's busy refusal
+        self._retries = 0
+
+    def elsewhere(
+        self, upstream: Upstream, refusal: tuple[int, list[Header], bytes, bytes]
+    ) -> str | None:
+        """Why this refusal sends the request on to another server, or None (the client
+        gets it as it is)."""
+        status, head, said, _ = refusal
+        router, url = self._fleet.router, upstream.url
+        if status in refusals.BUSY:
+            self.busy_wait = refusals.retry_after(head)
+            busy_s = (
+                refusals.BUSY_WITHOUT_RETRY_AFTER_S if self.busy_wait is None else self.busy_wait
+            )
+            router.mark_busy(url, busy_s, f"HTTP {status}")
+            router.refused("busy")
+            log.info("%s refused a request (HTTP %d): busy for %.3g s", url, status, busy_s)
+            return f"HTTP {status} from {url}: busy for {busy_s:.3g} s"
+        if refusals.out_of_context(status, said):
+            servers = self._fleet.servers
+            here = servers.get(upstream).slot_context
+            for i, server in enumerate(self._ladder):
+                there = servers.get(server).slot_context
+                if here is not None and there is not None and there <= here:
+                    self._rungs.failed.add(i)  # no more room there than here
+            router.refused("out_of_context")
+            log.info(
+                "%s has no room for a prompt (HTTP %d): asking where there is more", url, status
+            )
+            return f"HTTP {status} from {url}: the prompt does not fit its context"
+        return None
+
+    def retry_soon(self, started: bool) -> float | None:
+        """How long to wait before asking the busy server again, when nothing has gone
+        out and it asked for a short wait (None: not again)."""
+        wait = self.busy_wait
+        if started or wait is None or wait > SHORT_WAIT_S or self._retries >= RETRIES:
+            return None
+        self._retries += 1
+        self._fleet.router.refused("retried")
+        return wait + random.uniform(0.05, 0.05 + wait / 4)

@@ -1,0 +1,127 @@
+"""Before the first byte, as the common gateways behave: a busy server's refusal (408,
+429, 503, with or without Retry-After) sends the request to the next server and keeps new
+requests away from it for the header's time; a prompt too long for a server's context
+goes to one with more room; with nowhere else to go, a short Retry-After is waited out,
+and otherwise the client gets the server's own refusal, as it sent it. The busy servers
+are scripted stand-ins (no real engine refuses on demand); the context refusals are
+llama-server's own (vLLM's: tests/test_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from tests.streams import assert_one_clean_stream, direct_text, read_stream
+
+REASONS = {408: b"Request Timeout", 429: b"Too Many Requests", 503: b"Service Unavailable"}
+SAID = {"error": {"code": 429, "message": "slow down", "type": "rate_limit_error"}}
+
+
+def refusal(status: int, retry_after: int | None = None) -> bytes:
+    body = json.dumps({**SAID, "error": {**SAID["error"], "code": status}}).encode()
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, REASONS[status])
+    if retry_after is not None:
+        head += b"retry-after: %d\r\n" % retry_after
+    return head + b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+
+
+def metrics(proxy) -> str:
+    return httpx.get(f"{proxy.url}/spillover/metrics").text
+
+
+@pytest.mark.parametrize(("status", "retry_after"), [(429, 30), (408, None), (503, 30)])
+def test_a_busy_server_sends_the_request_on_and_new_ones_start_elsewhere(
+    status: int, retry_after: int | None, start_proxy, fallback: LlamaServer
+) -> None:
+    busy = FakeUpstream([(refusal(status, retry_after), 0)])
+    proxy = start_proxy(busy.url, [fallback.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    assert f"HTTP {status} from {busy.url}: busy for" in stream.notes[0]
+    assert stream.text == direct_text(fallback.url, 40)
+    state = httpx.get(f"{proxy.url}/spillover/status").json()["routing"]["states"][busy.url]
+    assert state == {"state": "busy", "why": f"HTTP {status}"}
+    again = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(again)
+    assert f"{busy.url} is busy (HTTP {status})" in again.notes[0]
+    assert len(busy.requests) == 1  # the second request never went to the busy server
+    assert 'spillover_refusals_total{kind="busy"} 1.0' in metrics(proxy)
+    busy.close()
+
+
+def test_with_nowhere_else_a_short_retry_after_is_waited_out(start_proxy) -> None:
+    answer = chunked(
+        sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(finish="length"),
+        b"data: [DONE]\n\n",
+    )  # fmt: skip
+    busy = FakeUpstream([(refusal(429, 1), 0)], later=[(STREAM_HEAD + answer + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(busy.url, [])
+    proxy.servers_known()
+    started = time.monotonic()
+    stream = read_stream(proxy.url, chat_body(2))
+    waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    assert stream.text == " the river" and stream.notes == []  # as if it never refused
+    assert len(busy.requests) == 2 and waited >= 1.0
+    assert 'spillover_refusals_total{kind="retried"} 1.0' in metrics(proxy)
+    busy.close()
+
+
+def test_with_nowhere_else_the_client_gets_the_servers_own_refusal(start_proxy) -> None:
+    """A long Retry-After is the client's to wait out (its SDK does): passed on as sent."""
+    busy = FakeUpstream([(refusal(429, 60), 0)])
+    proxy = start_proxy(busy.url, [])
+    proxy.servers_known()
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat_body(20))
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "60"
+    assert reply.json() == {**SAID, "error": {**SAID["error"], "code": 429}}
+    assert len(busy.requests) == 1  # no loop against a server that is refusing
+    busy.close()
+
+
+LONG_QUESTION = [{"role": "user", "content": " ".join(["the river and the bridge"] * 80)}]
+
+
+def test_a_prompt_too_long_for_the_primary_goes_to_a_server_with_more_room(
+    start_server, start_proxy
+) -> None:
+    primary = start_server("primary", ctx_size=256, slots=1)
+    roomy = start_server("fallback", ctx_size=4096, slots=1)
+    small = start_server("fallback", ctx_size=128, slots=1)
+    body = chat_body(20, messages=LONG_QUESTION)
+    # llama-server's own refusal, asked directly: what the addon must recognise.
+    direct = httpx.post(f"{primary.url}/v1/chat/completions", json={**body, "stream": False})
+    assert direct.status_code == 400 and "exceed_context_size_error" in direct.text
+
+    proxy = start_proxy(primary.url, [small.url, roomy.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, body)
+    assert_one_clean_stream(stream)
+    assert f"HTTP 400 from {primary.url}: the prompt does not fit its context" in stream.notes[0]
+    assert f"-> {roomy.url}" in stream.notes[0]  # the smaller one was passed over
+    assert stream.text == direct_text(roomy.url, 20, messages=LONG_QUESTION)
+
+    only_smaller = start_proxy(primary.url, [small.url])
+    only_smaller.servers_known()
+    reply = httpx.post(f"{only_smaller.url}/v1/chat/completions", json={**body, "stream": False})
+    assert reply.status_code == 400 and reply.json() == direct.json()  # its own error
+
+
+def test_an_ordinary_bad_request_is_the_clients_answer(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer
+) -> None:
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    bad = {"messages": PROMPT, "max_tokens": "many"}
+    direct = httpx.post(f"{primary.url}/v1/chat/completions", json=bad)
+    through = httpx.post(f"{proxy.url}/v1/chat/completions", json=bad)
+    assert direct.status_code == through.status_code and 400 <= direct.status_code < 500
+    assert through.json() == direct.json()
+    assert "spillover_refusals_total{" not in metrics(proxy)  # nothing was sent on
