@@ -306,6 +306,31 @@ def test_garbage_from_the_primary_hands_off_without_passing_it_on(
     fake.close()
 
 
+def test_a_garbled_event_with_nowhere_to_go_reaches_the_client_as_sent(start_proxy) -> None:
+    """Fake primary: one event in the middle is not JSON, the rest of the answer is fine.
+    With no server that could go on, the event is no reason to end the answer: the client
+    gets every byte the server sent, the bad event included, as it would without the
+    proxy (what to make of the event is its SDK's affair)."""
+    words = [" the", " river", " ran", " under", " the", " old", " bridge", " again"]
+    events = [
+        sse_chunk(role=True), *(sse_chunk(w) for w in words[:4]),
+        b'data: {"choices": [garbage\xff\n\n',
+        *(sse_chunk(w) for w in words[4:]), sse_chunk(finish="length"), b"data: [DONE]\n\n",
+    ]  # fmt: skip
+    fake = FakeUpstream([(STREAM_HEAD + chunked(*events) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [])
+    proxy.servers_known()
+
+    def body_from(url: str) -> bytes:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(8)) as reply:
+            return reply.read()
+
+    through = body_from(proxy.url)
+    assert through == body_from(fake.url) == b"".join(events)
+    assert httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"] == []
+    fake.close()
+
+
 def test_dead_primary_starts_on_the_fallback(start_proxy, fallback: LlamaServer) -> None:
     proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [fallback.url])
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")

@@ -48,5 +48,9 @@ class Ladder:
     def after_failure(self) -> int | None:
         """The current server failed the answer: where it goes now, if anywhere."""
         self.failed.add(self.at)
+        return self.would_go()
+
+    def would_go(self) -> int | None:
+        """Where the answer would go if the current server failed it now."""
         above = [i for i in range(self.at) if i not in self.failed and self.admits(self.servers[i])]
         return next(iter([*self.below(), *above, *self.below("pressured")]), None)

@@ -9,14 +9,17 @@ after the answer's end is lost or doubled if the leg dies there.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 from addon.answer.pace import Pace
-from addon.formats.dialect import Event, LegReader, Step
+from addon.formats.dialect import Event, Garbled, LegReader, Step
 from addon.formats.sse import EventTooLarge
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream
+
+log = logging.getLogger(__name__)
 
 
 class Pump:
@@ -28,15 +31,19 @@ class Pump:
         pace: Pace | None,
         flush: Callable[[list[bytes]], None],
         finishing: Callable[[], None],
+        may_move: Callable[[], bool] = lambda: True,
     ) -> None:
         """`flush(events)` writes taken events to the client; `finishing()` says the
-        answer's end has been seen (no handoff may cut it any more)."""
+        answer's end has been seen (no handoff may cut it any more); `may_move()`, whether
+        another server could go on with the answer now (else a garbled event goes to the
+        client as the server sent it, and the leg goes on)."""
         self.client = client
         self.transcript = transcript
         self.reader = reader
         self.pace = pace
         self.flush = flush
         self.finishing = finishing
+        self.may_move = may_move
         self.closed = False  # the server closed the stream mid-answer
         self._held: list[Event] = []
 
@@ -62,6 +69,10 @@ class Pump:
             out: list[bytes] = []
             for event in reader.events(block):
                 taken = reader.take(event)
+                if isinstance(taken, Garbled) and not self.may_move():
+                    log.info("%s; passed on as sent: no other server could go on", taken)
+                    out.append(event + reader.boundary)
+                    continue
                 if isinstance(taken, str):
                     self.flush(out)
                     return taken

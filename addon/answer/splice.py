@@ -414,6 +414,7 @@ class Splice:
             pump = Pump(
                 client, self.transcript, reader, self._pace,
                 flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
+                may_move=self._may_move,
             )  # fmt: skip
             failure = await pump.run(response.body(), upstream.url)
             if failure is not None and pump.closed:
@@ -424,6 +425,13 @@ class Splice:
             return str(exc)
         finally:
             response.close()
+
+    def _may_move(self) -> bool:
+        """Whether another server could go on with the answer if this leg failed now."""
+        self.transcript.settle()
+        if self.dialect.cannot_continue(self.body, self.transcript) is not None:
+            return False
+        return self._rungs.would_go() is not None
 
     def _mark_finishing(self) -> None:
         self._finishing = True

@@ -19,7 +19,15 @@ from addon.formats.continuation import (
     prefill_of,
     token_limit,
 )
-from addon.formats.dialect import Event, Rewriter, Step, has_messages, json_object, read_payloads
+from addon.formats.dialect import (
+    Event,
+    Garbled,
+    Rewriter,
+    Step,
+    has_messages,
+    json_object,
+    read_payloads,
+)
 from addon.formats.sizes import bound
 from addon.formats.toolcalls import ToolCallHold, calls_chunk
 from addon.formats.transcript import Transcript, take_pieces
@@ -63,7 +71,7 @@ class ChatReader:
             return [Event(Step.END, sse.DONE + SEP)]
         chunk = json_object(event, sse.parse)
         if isinstance(chunk, str):
-            return f"garbled event from {self.server}: {chunk}"
+            return Garbled(f"garbled event from {self.server}: {chunk}")
         if "error" in chunk:
             return f"in-band error from {self.server}: {error_text(chunk['error'])}"
         changed = self.rewriter is not None

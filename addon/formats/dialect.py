@@ -38,6 +38,11 @@ class Event:
     payload: Any = None  # what the transcript records once it is sent (None: nothing)
 
 
+class Garbled(str):
+    """Why a leg failed on an event that is not what its format says: the server's own
+    bytes, which go to the client as sent where no other server could go on instead."""
+
+
 class Splitter(Protocol):
     def feed(self, data: bytes) -> bytes: ...
 
