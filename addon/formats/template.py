@@ -40,8 +40,6 @@ class ChatTemplate:
     eos_token: str = ""
     origin: str = ""  # where it was read, for status
     text_route_adds_bos: bool = False  # a leading bos_token is left to the tokenizer
-    # The text route reads a BOS the chat route does not (said in status, nothing to do).
-    text_route_bos_extra: bool = False
 
     @cached_property
     def _compiled(self):

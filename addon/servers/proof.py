@@ -83,8 +83,8 @@ async def continues(
         try:
             if way is RENDERED:
                 found = await _reads_its_own_chat_prompt(ask, model, template, alone, own)
-                if isinstance(found, ChatTemplate):
-                    return Proof(True, "; ".join([*whys, _rendered_why(found)]), way, found)
+                if isinstance(found, Proof):
+                    return replace(found, why="; ".join([*whys, found.why]))
                 why = found
             else:
                 why = await _grows_by_its_own(_chat_counter(ask, way, model), way, alone, own)
@@ -137,11 +137,11 @@ def _chat_counter(ask: Ask, way: Continuer, model: str | None) -> Counter:
 
 async def _reads_its_own_chat_prompt(
     ask: Ask, model: str | None, template: ChatTemplate | None, alone: int, own: list[int]
-) -> str | ChatTemplate:
+) -> str | Proof:
     """Why a text completion of the template's rendering is not how the server continues,
-    or, when it is, the template as its text route is to be given it: its text
-    completions read the rendering of two chats as many tokens as its chat route reads
-    them (the same template), and go on from it.
+    or, when it is, the proof, carrying the template as its text route is to be given it:
+    its text completions read the rendering of two chats as many tokens as its chat route
+    reads them (the same template), and go on from it.
 
     A text route that puts its tokenizer's BOS before every prompt reads a template that
     writes BOS itself as two: that BOS is left out of the rendering, when the counts then
@@ -184,22 +184,18 @@ async def _reads_its_own_chat_prompt(
     grows = lambda text: count(renderings[0] + text)  # noqa: E731
     if why := await _grows_by_its_own(grows, RENDERED, alone + added, own):
         return why
-    return replace(template, text_route_bos_extra=bool(added))
-
-
-def _rendered_why(template: ChatTemplate) -> str:
     why = (
-        f"{RENDERED.name}: the template from {template.origin} renders the prompt its chat "
-        "route reads, and a text completion of it goes on from the answer"
+        f"{name}: the template from {template.origin} renders the prompt its chat route "
+        "reads, and a text completion of it goes on from the answer"
     )
     if template.text_route_adds_bos:
         why += " (its text route adds the BOS the template writes: left out of the rendering)"
-    elif template.text_route_bos_extra:
+    elif added:
         why += (
             " (but for the BOS its text route adds, as its tokenizer asks, where its chat "
             "route reads none)"
         )
-    return why
+    return Proof(True, why, RENDERED, template)
 
 
 async def _grows_by_its_own(
