@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -61,7 +61,7 @@ class ServerDirectory:
         self.credentials = Credentials()
         self.info: dict[Upstream, ServerInfo] = {}
         self._client: httpx.AsyncClient | None = None
-        self._tasks: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._asked: dict[Upstream, float] = {}
         self._probing: set[Upstream] = set()
         self._reasks: set[asyncio.TimerHandle] = set()
@@ -98,9 +98,7 @@ class ServerDirectory:
         model; what it says it runs is asked again, and all of it where that changed."""
         upstream = next((u for u in self.info if u.url == url), None)
         if upstream is not None:
-            task = asyncio.ensure_future(self.recheck(upstream, generate=False))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._in_background(self.recheck(upstream, generate=False))
 
     async def recheck(self, upstream: Upstream, generate: bool) -> str | None:
         """Whether `upstream` still runs what it was proven on (what it says of its model
@@ -162,10 +160,15 @@ class ServerDirectory:
                 continue
             self._asked[upstream] = now
             self._probing.add(upstream)
-            task = asyncio.ensure_future(self.probe(upstream, fallbacks))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._in_background(self.probe(upstream, fallbacks))
             task.add_done_callback(lambda _, server=upstream: self._probing.discard(server))
+
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        """Run `work` on its own, cancelled by `close`."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         for reask in self._reasks:
