@@ -15,13 +15,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from scripts.testbed.llamabin import BUILD_VARIANTS, CACHE, cpu_key
 from scripts.testbed.processes import ManagedProcess
-from scripts.testbed.tinymodels import ensure_models
-from scripts.testbed.trial import cached_verdict, file_identity, first_build_that_runs, generates
+from scripts.testbed.trial import file_identity, first_build_that_runs, verdict
 
 PACKAGE = "llama-cpp-python[server]==0.3.36"
 BUILD_FLAGS = (
@@ -59,14 +57,11 @@ def _build(variant: str) -> Path:
 
 def why_not_here(python: Path) -> str | None:
     """None when this build's server loads a tiny model and writes a few tokens."""
-
-    def trial() -> str | None:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = ensure_models(Path(tmp))["fallback"]
-            return generates(LlamaCppPythonServer(model, python=python), timeout=120)
-
-    return cached_verdict("llama-cpp-python", file_identity(python.parent.parent / ".installed"),
-                          trial)  # fmt: skip
+    installed = file_identity(python.parent.parent / ".installed")
+    return verdict(
+        "llama-cpp-python", installed,
+        lambda gguf: LlamaCppPythonServer(gguf, python=python), timeout=120,
+    )  # fmt: skip
 
 
 class LlamaCppPythonServer(ManagedProcess):

@@ -6,7 +6,6 @@ binary they run: the first candidate (`llamabin.candidates`) that runs on this C
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,14 +16,7 @@ from scripts.testbed.llamabin import (
     candidates,
 )
 from scripts.testbed.processes import ManagedProcess, ServerFailed, running
-from scripts.testbed.tinymodels import ensure_models
-from scripts.testbed.trial import (
-    EngineUnusable,
-    cached_verdict,
-    file_identity,
-    first_build_that_runs,
-    generates,
-)
+from scripts.testbed.trial import EngineUnusable, file_identity, first_build_that_runs, verdict
 
 __all__ = [
     "BinaryNotFound", "LlamaRouter", "LlamaServer", "ServerFailed", "find_binary", "running",
@@ -93,13 +85,10 @@ def runs_here(binary: Path) -> bool:
 def why_not_here(binary: Path) -> str | None:
     """None when the binary loads a tiny model and writes a few tokens; else why (asked
     once per binary and CPU)."""
-
-    def trial() -> str | None:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = ensure_models(Path(tmp))["fallback"]
-            return generates(LlamaServer(model, binary=binary, ctx_size=256, slots=1))
-
-    return cached_verdict("llama-server", file_identity(binary), trial)
+    return verdict(
+        "llama-server", file_identity(binary),
+        lambda gguf: LlamaServer(gguf, binary=binary, ctx_size=256, slots=1),
+    )  # fmt: skip
 
 
 def ensure_binary() -> Path:

