@@ -160,7 +160,10 @@ def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> N
     its ids). The second leg's ids are the turns tokenizer's: the third server, which
     shares the first one's tokenizer, must get the answer as text, and what follows the
     second cut is its own continuation of all the text delivered."""
-    first, second, third = (start_server(m) for m in ("primary", "turns-fallback", "fallback"))
+    # One slot of 4,096 tokens each and a long answer, so that no server has written the
+    # whole of it by the time the client reaches the chunk that cuts it.
+    servers = [start_server(m, slots=1) for m in ("primary", "turns-fallback", "fallback")]
+    first, second, third = servers
     proxy = start_proxy(first.url, [second.url, third.url], options=QUICK)
     known = proxy.servers_known()
     assert known[first.url]["tokenizer"] == known[third.url]["tokenizer"]
@@ -169,16 +172,17 @@ def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> N
     def cut(n: int) -> None:
         if n == 30:
             first.kill()
-        elif n == 90:
+        elif n == 400:
             second.kill()
 
-    stream = read_stream(proxy.url, chat_body(LONG, logprobs=True), on_chunk=cut)
+    whole = 2000
+    stream = read_stream(proxy.url, chat_body(whole, logprobs=True), on_chunk=cut)
     assert_one_clean_stream(stream)
     to_second, to_third = stream.notes
     assert f"{first.url} -> {second.url}" in to_second and "replayed as text" in to_second
     assert f"{second.url} -> {third.url}" in to_third and "replayed as text" in to_third
     before = "".join(stream.segments[:2])
-    rest = LONG - sum(stream.segment_tokens[:2])
+    rest = whole - sum(stream.segment_tokens[:2])
     assert stream.segments[2] == continuation(third.url, before, rest)
 
 
