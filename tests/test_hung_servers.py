@@ -4,6 +4,7 @@ when a card's memory spills into system RAM) moves on like an asked-for handoff.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -11,7 +12,8 @@ import time
 
 import httpx
 
-from tests.streams import RawStream, assert_one_clean_stream, chat_body, read_stream
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from tests.streams import RawStream, assert_one_clean_stream, chat_body, direct_text, read_stream
 
 QUICK = ["spillover_stall_s=1", "spillover_first_token_s=2"]
 
@@ -122,3 +124,67 @@ def test_a_slowed_primary_is_left_for_the_fallback(start_server, start_proxy) ->
     moved = f"{primary.url} -> {fallback.url}"
     assert_left_once(stream, tokens, moved, "events/s over 1 s, down from")
     assert_counted(proxy, "slow")
+
+
+def answer_with_timings(prompt_n: int, prompt_ms: float) -> bytes:
+    """A short whole answer whose last chunk times its prompt reading, as llama-server's
+    does (`timings`)."""
+    last = {
+        "id": "c", "created": 1, "model": "stand-in", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms},
+    }  # fmt: skip
+    events = chunked(
+        sse_chunk(role=True), sse_chunk(" the"),
+        b"data: " + json.dumps(last).encode() + b"\n\n", b"data: [DONE]\n\n",
+    )  # fmt: skip
+    return STREAM_HEAD + events + b"0\r\n\r\n"
+
+
+def test_a_silent_primary_is_left_when_its_prompt_should_have_been_read(
+    start_proxy, fallback
+) -> None:
+    """Stand-in primary (no real server goes silent on its second request only): it
+    answers once, saying it read 200 tokens in 20 ms, then accepts requests and says
+    nothing. The wait comes from that speed and the prompt's size (a few KB read in well
+    under a second, times 4), not from the 300 s ceiling: the floor, 2 s, applies."""
+    silent = FakeUpstream(
+        [(answer_with_timings(200, 20.0), 0)], later=[(b"HTTP/1.1 200 OK\r\n", 120)]
+    )
+    proxy = start_proxy(silent.url, [fallback.url], options=["spillover_first_token_floor_s=2"])
+    proxy.servers_known()
+    assert read_stream(proxy.url, chat_body(5)).text == " the"
+    rates = httpx.get(f"{proxy.url}/spillover/status").json()["migration"]["rates"]
+    assert rates["read_ms_per_token"] == {silent.url: 0.1}
+    started = time.monotonic()
+    stream = read_stream(proxy.url, chat_body(40))
+    waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    assert stream.text == direct_text(fallback.url, 40)
+    assert 2 <= waited < 30, waited
+    assert any("no answer after 2." in note and "(waited 2 s)" in note for note in stream.notes)
+    silent.close()
+
+
+def test_a_long_prompt_is_given_the_time_its_reading_takes(start_server, start_proxy) -> None:
+    """Real llama-server, no floor: the wait is 4 times the prompt's reading at the speed
+    measured on a short one. A prompt 60 times longer takes longer to read than a short
+    prompt's wait, and is read whole, never cut."""
+    primary = start_server("primary", ctx_size=16384, slots=1)
+    proxy = start_proxy(primary.url, [], options=["spillover_first_token_floor_s=0"])
+    short = [{"role": "user", "content": " ".join(["the river and the bridge"] * 10)}]
+    long = [{"role": "user", "content": " ".join(["the river and the bridge"] * 600)}]
+    for _ in range(2):  # the speed is learnt from answers through the proxy
+        read_stream(proxy.url, {**chat_body(4), "messages": short})
+    rates = httpx.get(f"{proxy.url}/spillover/status").json()["migration"]["rates"]
+    read_ms = rates["read_ms_per_token"][primary.url]
+    short_wait_s = 4 * (len(json.dumps({**chat_body(4), "messages": short})) + 256) * read_ms / 1000
+    body = {**chat_body(20), "messages": long}
+    direct = httpx.post(
+        f"{primary.url}/v1/chat/completions", json={**body, "stream": False}, timeout=120
+    ).json()
+    assert direct["timings"]["prompt_ms"] / 1000 > short_wait_s, (direct["timings"], read_ms)
+    stream = read_stream(proxy.url, body, timeout=120)
+    assert_one_clean_stream(stream)
+    assert stream.notes == []
+    assert stream.text == direct["choices"][0]["message"]["content"]

@@ -565,3 +565,79 @@ def test_a_constrained_response_is_never_moved_mid_answer(start_proxy, servers) 
     assert through and through == text_of(primary.url, None)
     status = httpx.get(f"{proxy.url}/spillover/status").json()
     assert status["recent_handoffs"] == []
+
+
+def typed(kind: str, **fields: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+
+GARBLED_STREAMS = {
+    "/v1/messages": (
+        {"model": "m", "max_tokens": 4, "messages": PROMPT, "stream": True},
+        [
+            typed("message_start", message={"id": "m", "role": "assistant", "content": []}),
+            typed("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+            typed("content_block_delta", index=0, delta={"type": "text_delta", "text": " the"}),
+            b"event: content_block_delta\ndata: {garbage\xff\n\n",
+            typed("content_block_delta", index=0, delta={"type": "text_delta", "text": " ran"}),
+            typed("content_block_stop", index=0),
+            typed("message_delta", delta={"stop_reason": "max_tokens"}, usage={"output_tokens": 3}),
+            typed("message_stop"),
+        ],
+    ),
+    "/v1/responses": (
+        {"model": "m", "input": "the river", "max_output_tokens": 4, "stream": True},
+        [
+            typed("response.created", response={"id": "r", "status": "in_progress"}),
+            typed(
+                "response.output_text.delta",
+                item_id="i",
+                output_index=0,
+                content_index=0,
+                delta=" the",
+            ),
+            b"event: response.output_text.delta\ndata: {garbage\xff\n\n",
+            typed(
+                "response.output_text.delta",
+                item_id="i",
+                output_index=0,
+                content_index=0,
+                delta=" ran",
+            ),
+            typed("response.completed", response={"id": "r", "status": "completed"}),
+        ],
+    ),
+    "/api/chat": (
+        {"model": "m", "messages": PROMPT},
+        [
+            b'{"model":"m","message":{"role":"assistant","content":" the"},"done":false}\n',
+            b'{"model":"m","message":{garbage\xff\n',
+            b'{"model":"m","message":{"role":"assistant","content":" ran"},"done":false}\n',
+            b'{"model":"m","message":{"role":"assistant","content":""},"done":true,'
+            b'"done_reason":"length","eval_count":3}\n',
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("path", GARBLED_STREAMS)
+def test_a_garbled_event_with_nowhere_to_go_reaches_the_client_as_sent(
+    start_proxy, path: str
+) -> None:
+    """Stand-in primary (a real server does not garble an event on demand): one event in
+    the middle is not JSON. With no server that could go on, every byte goes to the
+    client as the server sent it, in each API, and the answer is not ended for it."""
+    body, events = GARBLED_STREAMS[path]
+    kind = b"application/x-ndjson" if path == "/api/chat" else b"text/event-stream"
+    head = STREAM_HEAD.replace(b"text/event-stream", kind)
+    fake = FakeUpstream([(head + chunked(*events) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [])
+    proxy.servers_known()
+
+    def body_from(url: str) -> bytes:
+        with httpx.stream("POST", f"{url}{path}", json=body) as reply:
+            return reply.read()
+
+    assert body_from(proxy.url) == body_from(fake.url) == b"".join(events)
+    assert httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"] == []
+    fake.close()

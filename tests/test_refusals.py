@@ -19,7 +19,10 @@ from scripts.testbed.prompts import PROMPT, chat_body
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from tests.streams import assert_one_clean_stream, direct_text, read_stream
 
-REASONS = {408: b"Request Timeout", 429: b"Too Many Requests", 503: b"Service Unavailable"}
+REASONS = {
+    408: b"Request Timeout", 429: b"Too Many Requests", 500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}  # fmt: skip
 SAID = {"error": {"code": 429, "message": "slow down", "type": "rate_limit_error"}}
 
 
@@ -125,3 +128,45 @@ def test_an_ordinary_bad_request_is_the_clients_answer(
     assert direct.status_code == through.status_code and 400 <= direct.status_code < 500
     assert through.json() == direct.json()
     assert "spillover_refusals_total{" not in metrics(proxy)  # nothing was sent on
+
+
+@pytest.mark.parametrize("ask_again", [True, False])
+def test_a_primarys_server_error_is_asked_again_there_once(
+    ask_again: bool, start_proxy, fallback: LlamaServer
+) -> None:
+    """Stand-in primary (no real engine fails with a 500 on demand): its first answer is
+    a 500, the next a whole answer, and its /health says ok. By default it is asked once
+    more, and the answer comes from it; with spillover_retry_5xx=false, from the fallback."""
+    answer = chunked(
+        sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(finish="length"),
+        b"data: [DONE]\n\n",
+    )  # fmt: skip
+    failing = FakeUpstream([(refusal(500), 0)], later=[(STREAM_HEAD + answer + b"0\r\n\r\n", 0)])
+    options = [] if ask_again else ["spillover_retry_5xx=false"]
+    proxy = start_proxy(failing.url, [fallback.url], options=options)
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    if ask_again:
+        assert stream.text == " the river" and stream.notes == []
+        assert len(failing.requests) == 2
+        assert 'spillover_refusals_total{kind="asked_again"} 1.0' in metrics(proxy)
+    else:
+        assert f"HTTP 500 from {failing.url}" in stream.notes[0]
+        assert stream.text == direct_text(fallback.url, 40)
+        assert len(failing.requests) == 1
+    failing.close()
+
+
+def test_a_primary_that_fails_again_is_left_for_the_fallback(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Stand-in primary that answers every request with a 500: asked twice, no more."""
+    failing = FakeUpstream([(refusal(500), 0)])
+    proxy = start_proxy(failing.url, [fallback.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    assert stream.text == direct_text(fallback.url, 40)
+    assert len(failing.requests) == 2
+    failing.close()

@@ -331,6 +331,47 @@ def test_a_garbled_event_with_nowhere_to_go_reaches_the_client_as_sent(start_pro
     fake.close()
 
 
+OVERSIZED = b'data: {"choices": [{"delta": {"content": "' + b"x" * (17 << 20) + b'"}}]}\n\n'
+
+
+def oversized_stream() -> list[bytes]:
+    """A stream whose third event is over the 16 MiB any event is read up to."""
+    return [
+        sse_chunk(role=True), sse_chunk(" the"), OVERSIZED, sse_chunk(" river"),
+        sse_chunk(finish="length"), b"data: [DONE]\n\n",
+    ]  # fmt: skip
+
+
+def test_an_oversized_event_with_nowhere_to_go_reaches_the_client_as_sent(start_proxy) -> None:
+    """Fake primary: no real server writes a 17 MiB event on demand. With no server
+    that could go on, the event and the rest of the stream go out as the server sent
+    them, and the answer ends as the server ends it."""
+    events = oversized_stream()
+    fake = FakeUpstream([(STREAM_HEAD + chunked(*events) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [])
+    proxy.servers_known()
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=chat_body(8)) as reply:
+        assert reply.read() == b"".join(events)
+    assert httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"] == []
+    fake.close()
+
+
+def test_an_oversized_event_hands_off_where_a_server_can_go_on(
+    start_proxy, fallback: LlamaServer
+) -> None:
+    """Fake primary, as above; with a proven fallback, the answer goes on there from
+    the text the client has, and the event never reaches the client."""
+    events = oversized_stream()
+    fake = FakeUpstream([(STREAM_HEAD + chunked(*events) + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(fake.url, [fallback.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, chat_body(30))
+    assert_one_clean_stream(stream)
+    assert "garbled stream" in stream.notes[0] and "over 16777216 bytes" in stream.notes[0]
+    assert stream.segments == [" the", continuation(fallback.url, " the", 29)]
+    fake.close()
+
+
 def test_dead_primary_starts_on_the_fallback(start_proxy, fallback: LlamaServer) -> None:
     proxy = start_proxy(f"http://127.0.0.1:{free_port()}", [fallback.url])
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")

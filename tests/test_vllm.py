@@ -297,6 +297,53 @@ def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
     assert after == direct
 
 
+def test_a_client_without_a_limit_gets_the_rest_with_its_usage_and_logprobs(
+    start_proxy, vllm: VllmServer, vllm_twin: Address
+) -> None:
+    """No `max_tokens`: the continuation by ids (a text completion, whose default is 16
+    tokens) is asked for the rest of the context, as the chat route's default is. The
+    client's `include_usage` and `top_logprobs` keep their shape after the cut."""
+    proxy = start_proxy(vllm.url, [vllm_twin.url])
+    proxy.servers_known()
+    body = {
+        **chat_body(LONG, model=SERVED_NAME), "logprobs": True, "top_logprobs": 2,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    del body["max_tokens"]
+    stream = read_stream(
+        proxy.url, body, timeout=300,
+        on_chunk=lambda n: n == 20 and httpx.post(f"{proxy.url}/spillover/handoff"),
+    )  # fmt: skip
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert "replayed as token ids" in note
+    before, after = stream.segments
+    whole = httpx.post(
+        f"{vllm.url}/v1/chat/completions",
+        json={**body, "stream": False, "return_token_ids": True}, timeout=300,
+    ).json()  # fmt: skip
+    prompt, ids = whole["prompt_token_ids"], whole["choices"][0]["token_ids"]
+    assert whole["choices"][0]["message"]["content"].startswith(before)
+    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    cut = handoff["at_token"]
+    direct = httpx.post(
+        f"{vllm_twin.url}/v1/completions",
+        json={"model": SERVED_NAME, "prompt": prompt + ids[:cut], "max_tokens": None,
+              "temperature": 0},
+        timeout=300,
+    ).json()  # fmt: skip
+    assert direct["usage"]["completion_tokens"] > 16
+    assert after == direct["choices"][0]["text"]
+    (usage,) = [c["usage"] for c in stream.chunks if c.get("usage")]
+    assert usage["completion_tokens"] == cut + direct["usage"]["completion_tokens"]
+    said = [ch for c in stream.chunks for ch in c["choices"] if ch["delta"].get("content")]
+    for choice in said:
+        for entry in choice["logprobs"]["content"]:
+            alternatives = [alt["logprob"] for alt in entry["top_logprobs"]]
+            assert len(alternatives) == 2 and alternatives == sorted(alternatives, reverse=True)
+            assert entry["logprob"] <= 0 and bytes(entry["bytes"]) == entry["token"].encode()
+
+
 def test_an_answer_is_never_handed_back_to_a_primary_not_proven_to_continue(
     start_server, start_proxy, vllm: VllmServer, tmp_path: Path
 ) -> None:

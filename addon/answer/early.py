@@ -7,12 +7,18 @@ context is too small for the prompt passes the request to a server with more roo
 room not known. Where no other server can take it and the busy one asked for a short
 wait, it is asked again after that wait, jittered, a few times at most; otherwise the
 client gets the first refusal as the server sent it.
+
+A server error (5xx other than 503) from the primary is asked once more there, at once,
+when the owner allows it (the default): the primary is the model the client came for,
+and a fallback is smaller. Only when the primary is under no memory pressure and answers
+/health; otherwise, and with the option off, the request goes on down the ladder at once.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 from addon.answer.fleet import Fleet
 from addon.answer.ladder import Ladder
@@ -22,7 +28,17 @@ from addon.servers.upstream import Upstream
 
 SHORT_WAIT_S = 5.0  # the longest Retry-After waited out here
 RETRIES = 2
+CALM = ("ok", "unknown")  # router states in which a primary's 5xx is asked again
 log = logging.getLogger(__name__)
+
+
+def add_refusal_options(loader: Any) -> None:
+    loader.add_option(
+        "spillover_retry_5xx", bool, True,
+        "Ask the primary once more when it fails a request with a server error before "
+        "its first byte, if it answers /health and is under no memory pressure (the "
+        "answer stays on the big model); false: go to the next server at once.",
+    )  # fmt: skip
 
 
 class EarlyRefusals:
@@ -31,7 +47,12 @@ class EarlyRefusals:
         self._ladder = ladder
         self._rungs = rungs
         self.busy_wait: float | None = None  # the Retry-After of this leg's busy refusal
+        self._server_error: int | None = None  # this leg's 5xx status
         self._retries = 0
+        self._asked_again = False  # a server error was asked again on the primary
+
+    def new_leg(self) -> None:
+        self.busy_wait = self._server_error = None
 
     def elsewhere(
         self, upstream: Upstream, refusal: tuple[int, list[Header], bytes, bytes]
@@ -40,6 +61,8 @@ class EarlyRefusals:
         gets it as it is)."""
         status, head, said, _ = refusal
         router, url = self._fleet.router, upstream.url
+        if status >= 500 and status not in refusals.BUSY:
+            self._server_error = status
         if status in refusals.BUSY:
             self.busy_wait = refusals.retry_after(head)
             busy_s = (
@@ -72,3 +95,20 @@ class EarlyRefusals:
         self._retries += 1
         self._fleet.router.refused("retried")
         return wait + random.uniform(0.05, 0.05 + wait / 4)
+
+    async def ask_again_here(self, upstream: Upstream, started: bool) -> bool:
+        """Whether the primary's server error is worth one more try there (see above)."""
+        status, self._server_error = self._server_error, None
+        fleet = self._fleet
+        if status is None or started or self._asked_again or not fleet.retry_server_errors:
+            return False
+        if upstream != self._ladder[0] or fleet.router.state(upstream.url)[0] not in CALM:
+            return False
+        self._asked_again = True
+        if not await fleet.router.answers_health(upstream.url):
+            return False
+        fleet.router.refused("asked_again")
+        log.info(
+            "%s failed a request (HTTP %d), answers /health: asked again", upstream.url, status
+        )
+        return True

@@ -41,6 +41,7 @@ class Fleet:
         self.migrator = Migrator(None, headers=self.question_headers)
         self.exact = True  # token-exact replay where the servers share a tokenizer
         self.pace = PaceLimits()
+        self.retry_server_errors = True  # a primary's 5xx is asked once more (answer/early.py)
 
     def question_headers(self, url: str) -> dict[str, str]:
         return self.credentials.question_headers(url)

@@ -13,11 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 BASELINE_TOKENS = 32  # a leg's own rate means something once it has sent this many
+# A prompt may take this many times its expected reading before its server is left: the
+# server's other answers share the card, and a measured rate moves with them.
+READ_MARGIN = 4
+TEMPLATE_TOKENS = 256  # a chat template's own tokens, on top of the request's
 
 
 @dataclass(frozen=True)
 class PaceLimits:
-    first_token_s: float = 300.0  # from the request to the first event (the prompt's prefill)
+    first_token_s: float = 300.0  # the most from the request to the first event (prefill)
+    first_token_floor_s: float = 10.0  # the least, however short the prompt
     stall_s: float = 20.0  # no bytes at all for this long, once events flow
     slow_fraction: float = 0.1  # slow: the rate over the window below this part of its own
     slow_window_s: float = 5.0
@@ -25,12 +30,28 @@ class PaceLimits:
     def enabled(self) -> bool:
         return any((self.first_token_s, self.stall_s, self.slow_fraction))
 
+    def first_token_deadline(self, request_bytes: int, read_ms: float | None) -> float:
+        """How long a server may take to its first event on a request of `request_bytes`,
+        where it reads a prompt token in `read_ms` (as measured; None: not known yet, and
+        the ceiling applies). A token is at least a byte of text, so the request's size
+        bounds its prompt's tokens from above: a long prompt is never cut for its length."""
+        if not self.first_token_s or read_ms is None:
+            return self.first_token_s
+        expected_s = (request_bytes + TEMPLATE_TOKENS) * read_ms / 1000
+        return min(self.first_token_s, max(self.first_token_floor_s, READ_MARGIN * expected_s))
+
 
 def add_pace_options(loader: Any) -> None:
     loader.add_option(
         "spillover_first_token_s", int, 300,
-        "Leave a server that has sent no answer this long after the request "
-        "(its prompt's prefill included); 0: never.",
+        "The longest wait for a server's first event; 0: never leave one for its "
+        "silence. Each request's own wait is its prompt's reading at the server's "
+        f"measured speed, times {READ_MARGIN}, between spillover_first_token_floor_s "
+        "and this; a server not yet measured gets this.",
+    )  # fmt: skip
+    loader.add_option(
+        "spillover_first_token_floor_s", int, 10,
+        "The shortest wait for a server's first event, however short the prompt.",
     )  # fmt: skip
     loader.add_option(
         "spillover_stall_s", int, 20,
@@ -49,6 +70,7 @@ def add_pace_options(loader: Any) -> None:
 def limits_from(options: Any) -> PaceLimits:
     return PaceLimits(
         first_token_s=options.spillover_first_token_s,
+        first_token_floor_s=options.spillover_first_token_floor_s,
         stall_s=options.spillover_stall_s,
         slow_fraction=options.spillover_slow_percent / 100,
         slow_window_s=options.spillover_slow_window_s,
@@ -60,6 +82,7 @@ class Pace:
 
     def __init__(self, started: float, limits: PaceLimits) -> None:
         self.limits = limits
+        self.first_token_s = limits.first_token_s  # this leg's (see `first_token_deadline`)
         self.started = started
         self.first: float | None = None  # when the first event came
         self.last = started  # when the last bytes came
@@ -78,8 +101,8 @@ class Pace:
         limits = self.limits
         quiet = now - self.last
         if self.first is None:
-            if limits.first_token_s and quiet > limits.first_token_s:
-                return "stalled", f"no answer after {quiet:.1f} s"
+            if self.first_token_s and quiet > self.first_token_s:
+                return "stalled", f"no answer after {quiet:.1f} s (waited {self.first_token_s:g} s)"
             return None
         if limits.stall_s and quiet > limits.stall_s:
             return "stalled", f"nothing for {quiet:.1f} s after {self.events} events"

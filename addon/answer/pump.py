@@ -14,12 +14,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from addon.answer.pace import Pace
-from addon.formats.dialect import Event, Garbled, LegReader, Step
+from addon.formats.dialect import Event, Garbled, LegReader, Splitter, Step
 from addon.formats.sse import EventTooLarge
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream
 
 log = logging.getLogger(__name__)
+# What a transcript cannot replay once an event went out unread (see Transcript.other_parts).
+UNREAD = "an event that could not be read"
 
 
 class Pump:
@@ -57,7 +59,9 @@ class Pump:
             try:
                 block = splitter.feed(data)
             except EventTooLarge as exc:
-                return f"garbled stream from {server}: {exc}"
+                if self.may_move():
+                    return f"garbled stream from {server}: {exc}"
+                return await self._pass_on(f"garbled stream from {server}: {exc}", splitter, body)
             if not block:
                 continue
             if not self._held and reader.plain(block):
@@ -71,6 +75,7 @@ class Pump:
                 taken = reader.take(event)
                 if isinstance(taken, Garbled) and not self.may_move():
                     log.info("%s; passed on as sent: no other server could go on", taken)
+                    transcript.other_parts.add(UNREAD)
                     out.append(event + reader.boundary)
                     continue
                 if isinstance(taken, str):
@@ -87,6 +92,19 @@ class Pump:
             return None
         self.closed = True
         return f"{server} closed the stream mid-answer"
+
+    async def _pass_on(self, why: str, splitter: Splitter, body: AsyncIterator[bytes]) -> None:
+        """The rest of the leg as its server sends it, unread (an event too large to read,
+        with no other server to go to): the answer ends when the server ends it."""
+        log.info("%s; passed on as sent: no other server could go on", why)
+        self.transcript.other_parts.add(UNREAD)
+        self.finishing()
+        self.flush([*(e.data for e in self._held), splitter.rest()])
+        self._held = []
+        async for data in body:
+            self.client.write(data)
+            await self.client.drain()
+        self.client.end(b"")
 
     def _put(self, taken: list[Event], out: list[bytes]) -> bool:
         """Send, hold or end with each event; True when the stream has ended."""

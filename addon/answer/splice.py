@@ -236,6 +236,8 @@ class Splice:
                 self._moving = False
             if failure is None:
                 return
+            if kind == "failure" and await self._early.ask_again_here(self.current, client.started):
+                continue
             if target is None:
                 target = self._rungs.after_failure()
             if target is None and (wait := self._early.retry_soon(client.started)) is not None:
@@ -286,7 +288,7 @@ class Splice:
         """Stream one leg into the client. None when the answer is complete, otherwise
         why the leg failed."""
         upstream = self.current
-        self._early.busy_wait = None
+        self._early.new_leg()
         self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
         restored: int | None = None  # a migration's slot on `upstream` that holds the answer
         try:
@@ -368,6 +370,9 @@ class Splice:
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
         headers: list[Header], rewriter: Rewriter | None, exchange: Exchange,
     ) -> str | None:  # fmt: skip
+        if self._pace is not None:
+            read_ms = self._fleet.migrator.rates.read_ms.get(upstream.url)
+            self._pace.first_token_s = self._limits.first_token_deadline(len(body), read_ms)
         try:
             response = await post(upstream, path, body, headers)
         except UpstreamError as exc:

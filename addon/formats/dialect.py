@@ -46,6 +46,10 @@ class Garbled(str):
 class Splitter(Protocol):
     def feed(self, data: bytes) -> bytes: ...
 
+    def rest(self) -> bytes:
+        """What was received after the last complete event."""
+        ...
+
 
 class LegReader(Protocol):
     """One leg's events, as the pump takes them."""

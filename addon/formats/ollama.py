@@ -22,6 +22,7 @@ from addon.formats.continuation import bound_by
 from addon.formats.dialect import (
     EchoStrip,
     Event,
+    Garbled,
     Rewriter,
     Step,
     has_messages,
@@ -49,9 +50,12 @@ class LineSplitter:
         data = self._pending + data
         end = data.rfind(NL) + 1
         block, self._pending = data[:end], data[end:]
-        if len(self._pending) > self._limit:
+        if not block and len(self._pending) > self._limit:
             raise EventTooLarge(f"a line over {self._limit} bytes")
-        return block
+        return block  # a rest over the limit is found by the next call, which keeps its data
+
+    def rest(self) -> bytes:
+        return self._pending
 
 
 def encode(payload: dict[str, Any]) -> bytes:
@@ -83,7 +87,7 @@ class OllamaReader:
     def take(self, event: bytes) -> list[Event] | str:
         payload = json_object(event, loads)
         if isinstance(payload, str):
-            return f"garbled line from {self.server}: {payload}"
+            return Garbled(f"garbled line from {self.server}: {payload}")
         if "error" in payload:
             return f"in-band error from {self.server}: {payload['error']}"
         data = event.rstrip(b"\r") + NL

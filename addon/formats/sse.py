@@ -37,6 +37,9 @@ class EventSplitter:
         """Every complete event received so far, as one block (each event ends in a blank
         line); the incomplete rest is kept for the next call. Raises EventTooLarge when
         an unfinished event grows past the limit."""
+        if self._size > self._limit:
+            self._pending.append(data)
+            raise EventTooLarge(f"an event over {self._limit} bytes")
         if self._after_cr and data.startswith(b"\n"):
             data = data[1:]
         if b"\r" in data:
@@ -60,9 +63,10 @@ class EventSplitter:
         rest = data[cut:]
         self._pending = [rest] if rest else []
         self._size = len(rest)
-        if self._size > self._limit:
-            raise EventTooLarge(f"an event over {self._limit} bytes")
-        return block
+        return block  # a rest over the limit is found by the next call, which keeps its data
+
+    def rest(self) -> bytes:
+        return b"".join(self._pending)
 
 
 def events(block: bytes) -> list[bytes]:

@@ -11,10 +11,6 @@ from typing import Any
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 
 
-class TokenIds(list):
-    """Pieces from a chunk's `token_ids` (vLLM's): the chunk's text is its first piece's."""
-
-
 @dataclass
 class LegUsage:
     server: str
@@ -28,7 +24,7 @@ class Transcript:
     role_sent: bool = False
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)  # reasoning_content deltas
-    produced: int = 0  # deltas delivered; llama-server sends one per token
+    produced: int = 0  # tokens delivered: one per delta, or as their ids count them
     id: str | None = None
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
@@ -114,6 +110,7 @@ class Transcript:
             self.created = chunk.get("created")
         leg = self.legs[-1]
         leg.model = chunk.get("model", leg.model)
+        counted = self.produced
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("role"):
@@ -121,34 +118,34 @@ class Transcript:
             self.add(delta.get("content") or choice.get("text"), delta.get("reasoning_content"))
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
-        self._record_ids(chunk, pieces)
+        self._record_ids(chunk, pieces, self.produced - counted)
 
-    def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None) -> None:
-        if self.ids is None:
-            return
+    def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int) -> None:
+        """Take the chunk's ids; `counted` tokens were counted from its deltas."""
         if pieces is None:
             pieces = take_pieces(chunk, strip=False)
         if pieces is None:
-            for choice in chunk.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("reasoning_content"):
-                    self.ids = None  # text without ids: it can only be replayed as text
+            if self.ids is not None and any(_said(c) for c in chunk.get("choices") or ()):
+                self.ids = None  # text without ids: it can only be replayed as text
+            return
+        # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
+        # behind or holds a token's text back, llama-server's when it held text back (half
+        # of a character, the start of a stop string). Its ids count them.
+        if (more := len(pieces) - counted) > 0:
+            self.produced += more
+            self.legs[-1].completion_tokens += more
+        if self.ids is None:
             return
         for token, data in pieces:
             self.ids.append(token)
             self.id_bytes += data
         if pieces:
             self.ids_ahead = not any(data for _, data in pieces)
-        if isinstance(pieces, TokenIds):
-            # A vLLM chunk may carry more tokens than its one delta (when its API server
-            # falls behind), or a token whose text it holds back: its ids count them.
-            said = sum(
-                bool((c.get("delta") or {}).get("content") or c.get("text"))
-                for c in chunk.get("choices") or ()
-            )
-            if (more := len(pieces) - said) > 0:
-                self.produced += more
-                self.legs[-1].completion_tokens += more
+
+
+def _said(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content"))
 
 
 def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
@@ -161,7 +158,7 @@ def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
     for choice in chunk.get("choices") or ():
         token_ids = choice.pop("token_ids", None) if strip else choice.get("token_ids")
         if isinstance(token_ids, list):
-            pieces = TokenIds([*(pieces or []), *_id_pieces(choice, token_ids)])
+            pieces = [*(pieces or []), *_id_pieces(choice, token_ids)]
             continue
         logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
@@ -169,7 +166,7 @@ def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
     known = [piece for piece in pieces or () if piece is not None]
     if pieces is None or len(known) != len(pieces):
         return None  # none, or in a form without ids: the text is what can be replayed
-    return TokenIds(known) if isinstance(pieces, TokenIds) else known
+    return known
 
 
 def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:

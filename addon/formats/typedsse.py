@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from addon.formats import sse
-from addon.formats.dialect import Event, Rewriter, Step, json_object, read_payloads
+from addon.formats.dialect import Event, Garbled, Rewriter, Step, json_object, read_payloads
 from addon.formats.transcript import Transcript
 
 SEP = sse.TERMINATOR
@@ -44,7 +44,7 @@ class TypedEventReader:
             return [Event(Step.SEND, event + SEP)]
         payload = json_object(event, sse.parse)
         if isinstance(payload, str):
-            return f"garbled event from {self.server}: {payload}"
+            return Garbled(f"garbled event from {self.server}: {payload}")
         if (failure := self.failure(payload)) is not None:
             return f"in-band error from {self.server}: {failure}"
         if self.rewriter is None:

@@ -118,7 +118,7 @@ class NextLeg:
             body = rendered.completion_body(self._text_continuation(upstream), template)
         except NoTemplate as exc:
             raise CannotContinue(f"{upstream.url}: {exc}") from None
-        return body, rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
+        return body, self._completion_rewriter()
 
     def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer's reasoning: its way of continuing
@@ -192,8 +192,11 @@ class NextLeg:
         if (prompt := await servers.prompt_ids(upstream, self.body)) is None:
             return None
         body = exact_vllm.native_body(self.body, prompt + ids, self.transcript.produced)
-        rewriter = rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False))
-        return rendered.PATH, body, rewriter
+        return rendered.PATH, body, self._completion_rewriter()
+
+    def _completion_rewriter(self) -> rendered.CompletionRewriter:
+        top = rendered.logprobs_asked(self.body)
+        return rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False), top)
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering

@@ -120,6 +120,14 @@ class Router:
                 last = now
                 await asyncio.sleep(every_s)
 
+    async def answers_health(self, url: str) -> bool:
+        """Whether `url` answers /health with 200 now, asked once."""
+        try:
+            async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+                return (await client.get(f"{url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def _check(self, url: str, client: httpx.AsyncClient) -> None:
         try:
             status = (await client.get(f"{url}/health")).status_code

@@ -11,6 +11,7 @@ from typing import Any
 from mitmproxy import command, ctx, exceptions, flow, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from addon.answer.early import add_refusal_options
 from addon.answer.endpoint import SpliceEndpoint
 from addon.answer.fleet import Fleet
 from addon.answer.pace import add_pace_options, limits_from
@@ -94,6 +95,7 @@ class Spillover:
             "own GGUF is found without it).",
         )  # fmt: skip
         add_pace_options(loader)
+        add_refusal_options(loader)
         add_shadow_options(loader)
         add_migration_options(loader)
         loader.add_option(
@@ -116,6 +118,7 @@ class Spillover:
     def configure(self, updated: set[str]) -> None:
         fleet, options, running = self.fleet, ctx.options, self._loop is not None
         fleet.exact, fleet.pace = options.spillover_exact_replay, limits_from(options)
+        fleet.retry_server_errors = options.spillover_retry_5xx
         if updated & {"spillover_shadow_max", "spillover_shadow_every"}:
             fleet.shadows.budget.limit = options.spillover_shadow_max
             fleet.shadows.budget.every = max(1, options.spillover_shadow_every)

@@ -85,8 +85,8 @@ def json_response(payload: Any) -> bytes:
 
 class FakeUpstream:
     """Answers every POST with `script`: (bytes, seconds to wait after sending) pairs,
-    then closes the connection; `/v1/models` and `/apply-template` as llama-server does
-    (see MODELS). Anything else (the addon's other start-up questions) gets 404."""
+    then closes the connection; `/health`, `/v1/models` and `/apply-template` as
+    llama-server does (see MODELS). Anything else (the addon's other start-up questions) gets 404."""
 
     def __init__(
         self, script: Sequence[tuple[bytes, float]], later: Sequence[tuple[bytes, float]] = ()
@@ -128,6 +128,9 @@ class FakeUpstream:
                 if not (more := conn.recv(65536)):
                     return
                 body += more
+            if head.startswith(b"GET /health "):
+                conn.sendall(json_response({"status": "ok"}))
+                return
             if head.startswith(b"GET /v1/models "):
                 conn.sendall(json_response(MODELS))
                 return

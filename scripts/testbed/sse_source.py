@@ -101,10 +101,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             if big := int(body.get("big_event_mib", 0)):
                 await send_big_event(writer, big)
             if interval:
+                # On a schedule, as a decode step writes (a late event does not delay the next).
+                start = time.monotonic()
                 for i in range(count):
                     writer.write(framed(chunk(i, ids=ids)))
                     await writer.drain()
-                    await asyncio.sleep(interval)
+                    await asyncio.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
             else:
                 for start in range(0, count, BATCH):
                     end = min(count, start + BATCH)

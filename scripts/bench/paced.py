@@ -1,0 +1,148 @@
+"""Benchmark: many answers streaming at once, each at a decode step's pace, as a busy GPU
+server writes them (vLLM's default batch is 256 sequences, each a chunk per step).
+
+A stand-in server (scripts/testbed/sse_source.py) streams N answers at RATE events/s
+each, started together; the client reads them all over raw sockets and times each event
+from the server's send stamp to its arrival. Side by side in one run: direct, plain
+mitmdump, the addon, the addon asking for token ids (a fallback with the same
+tokenizer), and the addon over worker processes behind HAProxy (`--workers`, where
+HAProxy is installed). For each: events/s delivered against asked, p50 and p99 latency
+(ms), and the proxy's CPU (its processes together, in cores).
+
+    .venv/bin/python -m scripts.bench.paced [--quick] [--streams 16,64,256] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.processes import running
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICK
+
+
+async def paced_streams(
+    port: int, streams: int, rate: int, seconds: float
+) -> tuple[int, float, list[float]]:
+    """(events received, seconds until the last stream ended, latencies in ms)."""
+    body = {
+        "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
+        "messages": MESSAGES,
+    }  # fmt: skip
+    latencies: list[float] = []
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(read_stream(port, body, latencies) for _ in range(streams)))
+    return sum(counts), time.perf_counter() - start, latencies
+
+
+def percentile(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
+
+
+Row = tuple[float, float, float, float, float]  # asked ev/s, got ev/s, p50, p99, proxy cores
+
+
+def measure(
+    port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float
+) -> Row:
+    asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5))  # warm up
+    used = cpu_seconds(pids())
+    events, took, latencies = asyncio.run(paced_streams(port, streams, rate, seconds))
+    cores = (cpu_seconds(pids()) - used) / took
+    return (
+        streams * rate,
+        events / took,
+        percentile(latencies, 0.5),
+        percentile(latencies, 0.99),
+        cores,
+    )
+
+
+@contextmanager
+def route(
+    name: str, source: SseSource, work: Path, workers: int
+) -> Iterator[tuple[int, Callable[[], list[int]]]]:
+    """The port a row's client talks to, and its proxy's processes."""
+    if name == "direct":
+        yield source.port, list
+        return
+    if name == "workers":
+        from scripts.workers import Workers  # HAProxy and N whole proxies
+
+        with Workers(source.url, [], count=workers, log_dir=work) as pool:
+            yield pool.port, pool.pids
+        return
+    fallbacks = [source.url] if name == "addon, ids" else []
+    proxy = Mitmdump(source.url, fallbacks, addon=name != "plain mitmdump", log_dir=work)
+    with running(proxy):
+        if fallbacks:
+            wait_for_tokenizers(proxy)
+        yield proxy.port, lambda: [proxy.pid]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 s per row, 16 and 64 streams")
+    parser.add_argument("--streams", default="16,64,256,512", help="stream counts, comma-separated")
+    parser.add_argument("--rate", type=int, default=40, help="events per second per stream")
+    parser.add_argument("--seconds", type=float, default=8, help="how long each row streams")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="add a row with N workers behind HAProxy"
+    )
+    args = parser.parse_args()
+    counts = [16, 64] if args.quick else [int(n) for n in args.streams.split(",")]
+    seconds = 3 if args.quick else args.seconds
+    names = ["direct", "plain mitmdump", "addon", "addon, ids"]
+    if args.workers:
+        names.append("workers")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        source = SseSource(log_dir=work)
+        with running(source):
+            rows: dict[tuple[int, str], Row] = {}
+            for name in names:
+                with route(name, source, work, args.workers) as (port, pids):
+                    before = served(source)["with_ids"]
+                    for streams in counts:
+                        rows[streams, name] = measure(port, pids, streams, args.rate, seconds)
+                    asked_ids = served(source)["with_ids"] > before
+                    if asked_ids != (name == "addon, ids"):
+                        raise RuntimeError(
+                            f"row {name!r} did not take its path (token ids: {asked_ids})"
+                        )
+    print(f"{args.rate} events/s per stream, {seconds:g} s per row, {os.cpu_count()} cores shared")
+    heads = ("asked/s", "got/s", "p50 ms", "p99 ms")
+    print(f"{'streams':>7}  {'route':16} " + " ".join(f"{h:>8}" for h in heads) + "  cores")
+    for (streams, name), (asked, got, p50, p99, cores) in rows.items():
+        print(f"{streams:7}  {name:16} {asked:8.0f} {got:8.0f} {p50:8.2f} {p99:8.2f} {cores:6.2f}")
+    for streams in counts:
+        plain = rows[streams, "plain mitmdump"]
+        for name in names[2:]:
+            row = rows[streams, name]
+            print(
+                f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
+                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
