@@ -2,6 +2,7 @@
 
     spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
     spillover run --confdir ~/.config/spillover     (options in its config.yaml)
+    spillover run --primary URL --workers 4         (4 proxies behind HAProxy)
     spillover status [--proxy URL]
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--listen-host", default="127.0.0.1", help="where clients connect")
     run.add_argument("--port", type=int, default=8090, help="the port clients connect to")
     run.add_argument(
+        "--workers", type=int, nargs="?", default=0, const=os.cpu_count() or 1, metavar="N",
+        help="run N proxies behind HAProxy (N left out: one per core); without it, one "
+        "proxy and no HAProxy",
+    )  # fmt: skip
+    run.add_argument(
         "--confdir", type=Path,
         help="a mitmproxy confdir whose config.yaml holds the options (the services' way; "
         "then --primary is not needed)",
@@ -92,8 +98,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
     if args.primary is None and args.confdir is None:
         parser.error("run needs --primary (or --confdir with a config.yaml that names it)")
+    if args.workers:
+        sys.exit(run_workers(args, extra))
     command = mitmdump_argv(args, extra)
     os.execv(command[0], command)
+
+
+def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
+    from scripts.workers import HaproxyMissing, Workers
+
+    if args.primary is None:
+        print("spillover run: --workers needs --primary", file=sys.stderr)
+        return 2
+    mitmdump = shutil.which("mitmdump", path=str(Path(sys.executable).parent)) or "mitmdump"
+    pool = Workers(
+        args.primary, args.fallbacks, args.workers, (args.listen_host, args.port),
+        [mitmdump, "-s", str(ADDON)], [arg for arg in extra if arg != "--"],
+    )  # fmt: skip
+    try:
+        pool.start()
+    except HaproxyMissing as exc:
+        print(f"spillover run: {exc}", file=sys.stderr)
+        return 2
+    return pool.supervise()
 
 
 if __name__ == "__main__":

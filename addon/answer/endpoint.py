@@ -178,6 +178,10 @@ class SpliceEndpoint:
                 conn.start_next_cycle()
         except (ConnectionError, h11.ProtocolError) as exc:
             log.debug("splice endpoint connection ended: %r", exc)
+        except asyncio.CancelledError:
+            # mitmproxy is shutting down. The handler's task ends here: asyncio's stream
+            # server would print a cancelled handler's traceback.
+            pass
         finally:
             writer.transport.abort()
 

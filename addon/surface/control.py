@@ -20,6 +20,7 @@ from mitmproxy import ctx, http
 from addon.formats.shape import loads
 from addon.servers.credentials import read_secret
 from addon.surface.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from addon.surface.siblings import FANNED, PEER, Siblings, summed
 
 CONTROL_PREFIX = "/spillover/"
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Control:
         """`handoff(flow id or None for all, reason)` says how many answers moved;
         `drain(server URL, on)` drains a server or lets it take new requests again."""
         self.token = ""
+        self.siblings = Siblings()
         self._handoff = handoff
         self._status = status
         self._metrics = metrics
@@ -94,7 +96,7 @@ class Control:
             return False
         presented = flow.request.headers.get("authorization", "")
         scheme, _, given = presented.partition(" ")
-        local = ctx.options.spillover_control_local and is_loopback(flow.client_conn.peername)
+        local = ctx.options.spillover_control_local and is_loopback(self._peer(flow))
         admitted = local or (
             bool(self.token)
             and scheme.lower() == "bearer"
@@ -103,6 +105,15 @@ class Control:
         if admitted:
             flow.request.headers.pop("authorization", None)
         return admitted
+
+    def _peer(self, flow: http.HTTPFlow) -> tuple | None:
+        """The client's address: behind HAProxy (a worker with siblings, reached from
+        loopback), the one HAProxy names (see surface/siblings.py)."""
+        peer = flow.client_conn.peername
+        named = flow.request.headers.get(PEER)
+        if self.siblings.urls and named is not None and is_loopback(peer):
+            return (named, 0)
+        return peer
 
     async def answer(self, flow: http.HTTPFlow) -> None:
         """Answer an admitted control request; it never goes on to a server."""
@@ -120,18 +131,32 @@ class Control:
         except ValueError:  # a Content-Encoding it is not in, or one mitmproxy cannot undo
             flow.response = _json(400, {"error": "the body cannot be decoded"})
             return
+        # A request from outside goes to the other workers too (see surface/siblings.py).
+        fan = bool(self.siblings.urls) and FANNED not in flow.request.headers
         if route == "handoff" and method == "POST":
             flow.response = await self._handoff_route(content)
+            if fan and flow.response.status_code == 200:
+                moved = sum(
+                    r.get("handed_off", 0) for r in await self.siblings.post(route, content)
+                )
+                here = json.loads(flow.response.content)["handed_off"]
+                flow.response = _json(200, {"handed_off": here + moved})
         elif route in ("drain", "undrain") and method == "POST":
             flow.response = self._drain_route(content, route == "drain")
+            if fan and flow.response.status_code == 200:
+                await self.siblings.post(route, content)
         elif route == "health" and method == "GET":
             flow.response = _json(200, {"ok": True})  # the proxy itself answers: for a guard
         elif route == "status" and method == "GET":
-            flow.response = _json(200, self._status())
+            status = self._status()
+            if fan:
+                status["other_workers"] = await self.siblings.get("status")
+            flow.response = _json(200, status)
         elif route == "metrics" and method == "GET":
-            flow.response = http.Response.make(
-                200, self._metrics(), {"content-type": METRICS_CONTENT_TYPE}
-            )
+            metrics = self._metrics()
+            if fan:
+                metrics = summed(metrics, [m.decode() for m in await self.siblings.get("metrics")])
+            flow.response = http.Response.make(200, metrics, {"content-type": METRICS_CONTENT_TYPE})
         else:
             flow.response = _json(404, {"error": f"no control route {flow.request.path}"})
 

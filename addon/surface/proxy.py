@@ -28,6 +28,7 @@ from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_l
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
 from addon.surface.mistakes import given_twice, unknown_options
+from addon.surface.siblings import PEER, add_sibling_options
 from addon.surface.status import assemble_status
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class Spillover:
             "...unless fewer tokens than this are still to come (when the request says).",
         )  # fmt: skip
         add_access_options(loader)
+        add_sibling_options(loader)
         _refuse_to_start(given_twice(ctx.options.deferred))
 
     def configure(self, updated: set[str]) -> None:
@@ -124,6 +126,8 @@ class Spillover:
             fleet.shadows.budget.every = max(1, options.spillover_shadow_every)
         if "spillover_control_token" in updated:
             self.control.configure(options.spillover_control_token)
+        if "spillover_siblings" in updated:
+            self.control.siblings.configure(options.spillover_siblings)
         if updated & {"spillover_server_keys", "spillover_forward_credentials"}:
             keys = parse_keys(options.spillover_server_keys)
             fleet.use_credentials(Credentials(keys, options.spillover_forward_credentials))
@@ -202,6 +206,7 @@ class Spillover:
         if flow.request.path.startswith(CONTROL_PREFIX) and self.control.admits(flow):
             await self.control.answer(flow)
             return
+        flow.request.headers.pop(PEER, None)  # HAProxy's word to the control routes only
         if not self.endpoint.running or (carried := spliceable(flow.request)) is None:
             return
         body, dialect = carried

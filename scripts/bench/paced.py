@@ -26,6 +26,7 @@ from pathlib import Path
 from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.processes import running
+from scripts.testbed.workers import SpilloverWorkers
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -86,9 +87,8 @@ def route(
         yield source.port, list
         return
     if name == "workers":
-        from scripts.workers import Workers  # HAProxy and N whole proxies
-
-        with Workers(source.url, [], count=workers, log_dir=work) as pool:
+        pool = SpilloverWorkers(source.url, [], count=workers, log_dir=work)
+        with running(pool):
             yield pool.port, pool.pids
         return
     fallbacks = [source.url] if name == "addon, ids" else []

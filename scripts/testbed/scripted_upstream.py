@@ -86,7 +86,8 @@ def json_response(payload: Any) -> bytes:
 class FakeUpstream:
     """Answers every POST with `script`: (bytes, seconds to wait after sending) pairs,
     then closes the connection; `/health`, `/v1/models` and `/apply-template` as
-    llama-server does (see MODELS). Anything else (the addon's other start-up questions) gets 404."""
+    llama-server does (see MODELS). Anything else (the addon's other start-up
+    questions) gets 404."""
 
     def __init__(
         self, script: Sequence[tuple[bytes, float]], later: Sequence[tuple[bytes, float]] = ()

@@ -1,0 +1,118 @@
+"""The other workers of one proxy (`spillover run --workers N`: N whole proxies behind
+HAProxy, scripts/workers.py). A control request any worker gets is answered for all of
+them: an asked-for handoff, a drain or an undrain is passed on to the others, and the
+metrics are summed. What is passed on carries FANNED and goes no further.
+
+Behind HAProxy every client connects from loopback; HAProxy names the client's own
+address in PEER (replacing any the client sent), and a worker with siblings reads the
+client's address from it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+FANNED = "x-spillover-fanned"
+PEER = "x-spillover-peer"
+TIMEOUT_S = 5.0
+# Families every worker reads alike (the same cards, its own view of the servers): one
+# worker's, not their sum.
+SAME_IN_EACH = ("spillover_card_", "spillover_server_state")
+log = logging.getLogger(__name__)
+
+
+def add_sibling_options(loader: Any) -> None:
+    loader.add_option(
+        "spillover_siblings", str, "",
+        "Comma-separated control URLs of this proxy's other workers (set by `spillover "
+        "run --workers`): control requests and metrics are answered for all of them.",
+    )  # fmt: skip
+
+
+class Siblings:
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+
+    def configure(self, option: str) -> None:
+        self.urls = [url.strip().rstrip("/") for url in option.split(",") if url.strip()]
+
+    async def post(self, route: str, content: bytes) -> list[dict[str, Any]]:
+        """POST a control request to every sibling; their answers (those that answered)."""
+        replies = await self._each("POST", route, content)
+        return [reply.json() for reply in replies if reply.status_code == 200]
+
+    async def get(self, route: str) -> list[Any]:
+        """GET a control route of every sibling: JSON, or the bytes of anything else."""
+        replies = await self._each("GET", route, b"")
+        return [
+            reply.json()
+            if reply.headers.get("content-type") == "application/json"
+            else reply.content
+            for reply in replies
+            if reply.status_code == 200
+        ]
+
+    async def _each(self, method: str, route: str, content: bytes) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            asked = [
+                client.request(
+                    method, f"{url}/spillover/{route}", content=content, headers={FANNED: "1"}
+                )
+                for url in self.urls
+            ]
+            replies = await asyncio.gather(*asked, return_exceptions=True)
+        answered = []
+        for url, reply in zip(self.urls, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.info("worker %s did not answer /spillover/%s: %r", url, route, reply)
+            else:
+                answered.append(reply)
+        return answered
+
+
+def summed(own: bytes, others: list[str]) -> bytes:
+    """One exposition for all workers: counters, histograms and live answers summed;
+    cards and server states as this worker reads them; creation times its own."""
+    families = list(text_string_to_metric_families(own.decode()))
+    totals: dict[tuple[str, tuple], float] = {}
+    for text in others:
+        for family in text_string_to_metric_families(text):
+            if _own_only(family.name):
+                continue
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                totals[key] = totals.get(key, 0.0) + sample.value
+    known = {family.name: family for family in families}
+    for family in families:
+        if _own_only(family.name):
+            continue
+        for i, sample in enumerate(family.samples):
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            if key in totals:
+                family.samples[i] = sample._replace(value=sample.value + totals.pop(key))
+    for text in others:  # samples only other workers have (a kind of handoff seen there)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key in totals and family.name in known:
+                    known[family.name].samples.append(sample._replace(value=totals.pop(key)))
+    registry = CollectorRegistry()
+    registry.register(_Parsed(families))
+    return generate_latest(registry)
+
+
+def _own_only(name: str) -> bool:
+    return name.endswith("_created") or name.startswith(SAME_IN_EACH)
+
+
+class _Parsed:
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families

@@ -1,0 +1,111 @@
+"""`spillover run --workers N` as the tests and benchmarks start it: HAProxy on the port,
+N whole proxies behind it (scripts/workers.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.processes import ManagedProcess, ServerFailed
+
+
+class SpilloverWorkers(ManagedProcess):
+    name = "spillover-workers"
+    health_path = "/spillover/health"
+
+    def __init__(
+        self,
+        primary: str,
+        fallbacks: Sequence[str] = (),
+        *,
+        count: int = 2,
+        options: Sequence[str] = (),
+        log_dir: Path | None = None,
+    ) -> None:
+        super().__init__(None, log_dir)
+        self.primary = primary
+        self.fallbacks = list(fallbacks)
+        self.count = count
+        self.options = list(options)
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary,
+            "--fallbacks", ",".join(self.fallbacks), "--workers", str(self.count),
+            "--port", str(self.port), "--", "--set", "flow_detail=0",
+        ]  # fmt: skip
+        for option in self.options:
+            argv += ["--set", option]
+        return argv
+
+    def start(self, timeout: float = 60.0) -> SpilloverWorkers:
+        super().start(timeout)
+        deadline = time.monotonic() + timeout
+        while len(self.worker_ports()) < self.count:
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{self.count} workers never came up:\n{self.log_tail()}")
+            time.sleep(0.05)
+        for port in self.worker_ports():
+            _wait(f"http://127.0.0.1:{port}/spillover/health", deadline)
+        return self
+
+    def workers(self) -> dict[int, int]:
+        """{worker port: pid} of the running workers (children of the supervisor)."""
+        found = {}
+        for child in _children(self.pid):
+            argv = _argv(child)
+            if any("mitmdump" in arg for arg in argv[:2]):
+                mode = next(arg for arg in argv if arg.startswith("reverse:"))
+                found[int(mode.rsplit(":", 1)[1])] = child
+        return found
+
+    def worker_ports(self) -> list[int]:
+        return sorted(self.workers())
+
+    def pids(self) -> list[int]:
+        """The supervisor's children: the workers and HAProxy."""
+        return _children(self.pid)
+
+    def servers_known(self, timeout: float = 30) -> list[dict[str, Any]]:
+        """Each worker's servers, once it has learnt them (see Mitmdump.servers_known)."""
+        known = []
+        for port in self.worker_ports():
+            worker = Mitmdump(self.primary, self.fallbacks, port=port)
+            known.append(worker.servers_known(timeout))
+        return known
+
+
+def _wait(url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise ServerFailed(f"{url} never answered")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []

@@ -1,0 +1,239 @@
+"""`spillover run --workers N`: N whole proxies behind HAProxy, for more answers at once
+than one process (one core) carries.
+
+Each worker is mitmdump with the addon on a loopback port of its own, with its own
+memory watcher. HAProxy (Debian's package; `apt-get install haproxy`) listens where
+clients connect: `leastconn` over the workers, each checked on its /spillover/health
+every half second, and the primary as a `backup` server, so that clients reach the
+primary straight when no worker is up (the fail-open guard's job, done by HAProxy). A
+worker that exits is started again on its port. On SIGTERM or SIGINT every worker is put
+in HAProxy's drain state, its live answers end as they would, and then all stop.
+
+What must be one across the workers (surface/siblings.py): a control request sent to
+any worker reaches all of them, and metrics are summed; the shadow budget
+(`spillover_shadow_max`) is divided among them, so the servers see no more shadows than
+with one process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+DRAIN_S = 600.0  # the longest a stopping worker waits for its answers to end
+CHECK_MS = 500
+SHADOW_DEFAULT = 1  # the addon's spillover_shadow_max default
+
+
+class HaproxyMissing(RuntimeError):
+    pass
+
+
+def haproxy_binary() -> str:
+    """HAProxy's program: SPILLOVER_HAPROXY, else `haproxy` on PATH or in the sbin
+    directories."""
+    named = os.environ.get("SPILLOVER_HAPROXY")
+    if named is not None:
+        found = named if os.access(named, os.X_OK) else None
+    else:
+        path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"])
+        found = shutil.which("haproxy", path=path)
+    if found is None:
+        raise HaproxyMissing(
+            f"--workers runs the workers behind HAProxy, and there is none "
+            f"({named or 'haproxy'} not found): apt-get install haproxy (or your system's "
+            "package), or name it in SPILLOVER_HAPROXY"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def haproxy_config(
+    listen: tuple[str, int], workers: Sequence[int], primary: str, admin_socket: Path
+) -> str:
+    host, port = listen
+    target = urlsplit(primary)
+    backup = f"{target.hostname}:{target.port or (443 if target.scheme == 'https' else 80)}"
+    servers = "\n".join(
+        f"    server w{i} 127.0.0.1:{worker} check" for i, worker in enumerate(workers)
+    )
+    tls = " ssl verify none" if target.scheme == "https" else ""
+    return f"""global
+    stats socket {admin_socket} mode 600 level admin
+
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 1h
+    timeout server 1h
+    timeout http-keep-alive 60s
+    retries 2
+    option redispatch
+
+frontend spillover
+    bind {host}:{port}
+    # The control routes read the client's address from this header, set here only.
+    http-request set-header x-spillover-peer %[src]
+    http-request del-header x-spillover-fanned
+    default_backend workers
+
+backend workers
+    balance leastconn
+    option httpchk GET /spillover/health
+    http-check expect status 200
+    default-server inter {CHECK_MS}ms fall 2 rise 2
+{servers}
+    server primary {backup} backup{tls}
+"""
+
+
+class Workers:
+    def __init__(
+        self,
+        primary: str,
+        fallbacks: str,
+        count: int,
+        listen: tuple[str, int],
+        mitmdump: list[str],
+        extra: list[str],
+    ) -> None:
+        """`mitmdump`: the command that starts mitmdump with the addon; `extra`, what the
+        person gave it (`--set ...`)."""
+        self.primary = primary.rstrip("/")
+        self.fallbacks = fallbacks
+        self.count = count
+        self.listen = listen
+        self.mitmdump = mitmdump
+        self.extra = list(extra)
+        self.ports = [free_port() for _ in range(count)]
+        self._dir = Path(tempfile.mkdtemp(prefix="spillover-workers-"))
+        self.admin_socket = self._dir / "haproxy.sock"
+        self.workers: list[subprocess.Popen[bytes] | None] = [None] * count
+        self.haproxy: subprocess.Popen[bytes] | None = None
+        self._stopping = False
+
+    def worker_argv(self, index: int) -> list[str]:
+        siblings = ",".join(f"http://127.0.0.1:{p}" for j, p in enumerate(self.ports) if j != index)
+        extra, shadows = shadow_share(self.extra, index, self.count)
+        return [
+            *self.mitmdump,
+            "--mode", f"reverse:{self.primary}@127.0.0.1:{self.ports[index]}",
+            "--set", f"spillover_fallbacks={self.fallbacks}",
+            "--set", f"spillover_siblings={siblings}",
+            "--set", f"spillover_shadow_max={shadows}",
+            *extra,
+        ]  # fmt: skip
+
+    def start(self) -> Workers:
+        binary = haproxy_binary()
+        for index in range(self.count):
+            self._start_worker(index)
+        config = self._dir / "haproxy.cfg"
+        config.write_text(haproxy_config(self.listen, self.ports, self.primary, self.admin_socket))
+        self.haproxy = subprocess.Popen([binary, "-f", str(config), "-db"], preexec_fn=_orphaned)
+        return self
+
+    def _start_worker(self, index: int) -> None:
+        self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=_orphaned)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in (*self.workers, self.haproxy) if p is not None]
+
+    def supervise(self) -> int:
+        """Keep the workers running until told to stop (or HAProxy exits)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "_stopping", True))
+        while not self._stopping:
+            assert self.haproxy is not None
+            if (code := self.haproxy.poll()) is not None:
+                print(f"spillover: HAProxy exited ({code}); stopping", file=sys.stderr)
+                self.stop()
+                return 1
+            for index, worker in enumerate(self.workers):
+                if worker is not None and worker.poll() is not None:
+                    said = f"worker {index} exited ({worker.returncode}); starting it again"
+                    print(f"spillover: {said}", file=sys.stderr)
+                    self._start_worker(index)
+            time.sleep(0.2)
+        self.stop()
+        return 0
+
+    def admin(self, command: str) -> str:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(self.admin_socket))
+            sock.sendall(command.encode() + b"\n")
+            return b"".join(iter(lambda: sock.recv(65536), b"")).decode()
+
+    def sessions(self, index: int) -> int:
+        """The connections HAProxy holds to worker `index` now."""
+        for line in self.admin("show stat").splitlines():
+            fields = line.split(",")
+            if len(fields) > 4 and fields[0] == "workers" and fields[1] == f"w{index}":
+                return int(fields[4] or 0)  # scur
+        return 0
+
+    def stop(self) -> None:
+        """Drain every worker (no new requests; the live ones end as they would), then
+        stop them and HAProxy."""
+        if self.haproxy is not None and self.haproxy.poll() is None:
+            try:
+                for index in range(self.count):
+                    self.admin(f"set server workers/w{index} state drain")
+                deadline = time.monotonic() + DRAIN_S
+                while time.monotonic() < deadline and any(
+                    self.sessions(i) for i in range(self.count)
+                ):
+                    time.sleep(0.2)
+            except OSError as exc:
+                print(f"spillover: could not drain the workers: {exc}", file=sys.stderr)
+        for process in (*self.workers, self.haproxy):
+            if process is not None and process.poll() is None:
+                process.terminate()
+        for process in (*self.workers, self.haproxy):
+            if process is not None:
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def shadow_share(extra: list[str], index: int, count: int) -> tuple[list[str], int]:
+    """`extra` without its spillover_shadow_max, and worker `index`'s share of it: the
+    budget divided among the workers, the remainder to the first ones."""
+    total, kept, skip = SHADOW_DEFAULT, [], False
+    for i, arg in enumerate(extra):
+        if skip:
+            skip = False
+            continue
+        if (
+            arg == "--set"
+            and i + 1 < len(extra)
+            and extra[i + 1].startswith("spillover_shadow_max=")
+        ):
+            total = int(extra[i + 1].split("=", 1)[1])
+            skip = True
+            continue
+        kept.append(arg)
+    return kept, total // count + (1 if index < total % count else 0)
+
+
+def _orphaned() -> None:
+    """In the child: end when the supervisor does, however it ends (PR_SET_PDEATHSIG),
+    so that no worker or HAProxy is left holding the ports."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
