@@ -84,6 +84,9 @@ defaults
     timeout http-keep-alive 60s
     retries 2
     option redispatch
+    # Every event goes out as it comes: without it HAProxy holds small writes back for
+    # more (MSG_MORE), up to 200 ms a token.
+    option http-no-delay
 
 frontend spillover
     bind {host}:{port}

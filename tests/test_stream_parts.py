@@ -13,7 +13,7 @@ from addon.formats import sse
 from addon.formats.chat import ChatReader
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
 from addon.formats.toolcalls import ToolCallHold
-from addon.formats.transcript import Transcript, take_pieces
+from addon.formats.transcript import Transcript, take_pieces, without_pieces
 from addon.handoff.exact import NativeToChat, native_body
 from addon.servers.upstream import ChunkedBody, LengthBody, UpstreamError
 from scripts.testbed.scripted_upstream import chunked, sse_chunk
@@ -296,3 +296,36 @@ def test_a_native_continuation_keeps_the_sampling_settings_and_counts_down() -> 
     assert native["n_probs"] == 1 and native["post_sampling_probs"] is True
     asked = native_body({**body, "logprobs": True}, "<prompt>", [4], produced=1)
     assert asked["n_probs"] == 3 and asked["post_sampling_probs"] is False
+
+
+CHUNKS_WITH_PIECES = [
+    # llama-server's, as the addon asks them: logprobs with each token's id and bytes.
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" the"},'
+    b'"logprobs":{"content":[{"id":278,"token":" the","bytes":[32,116,104,101],'
+    b'"logprob":-0.1,"top_logprobs":[{"id":278,"token":" the","logprob":-0.1}]}]}}],'
+    b'"created":1,"id":"c","model":"m","object":"chat.completion.chunk"}\n\n',
+    # vLLM's: token_ids beside a null logprobs, prompt_token_ids on the first chunk.
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+    b'"delta":{"content":"x"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}],'
+    b'"prompt_token_ids":[1,2]}\n\n',
+    # Spaced JSON, the pieces the only member of their object, a text that names the key.
+    b'data: {"id": "c", "choices": [{"logprobs": {"content": [{"id": 1, "bytes": [120]}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"\\"logprobs\\":"},"logprobs":{"content":[]}}]}\n\n',
+]
+
+
+@pytest.mark.parametrize("block", CHUNKS_WITH_PIECES)
+def test_pieces_cut_from_the_bytes_are_what_parsing_takes_out(block: bytes) -> None:
+    """The hot path cuts the ids the client did not ask for out of the server's bytes;
+    what is left reads as the parsed way leaves it."""
+    cut = without_pieces(block)
+    assert cut is not None
+    parsed = json.loads(block[6:])
+    take_pieces(parsed, strip=True)
+    assert json.loads(cut[6:]) == parsed
+    assert cut.endswith(b"}\n\n")
+
+
+def test_pieces_written_another_way_are_left_to_the_parsed_way() -> None:
+    assert without_pieces(b'data: {"choices": [{"logprobs" : {"content": []}}]}\n\n') is None
+    assert without_pieces(b'data: {"choices": ["logprobs":{}]}\n\n') is None

@@ -64,8 +64,8 @@ class Pump:
                 return await self._pass_on(f"garbled stream from {server}: {exc}", splitter, body)
             if not block:
                 continue
-            if not self._held and reader.plain(block):
-                client.write(block)  # the hot path: ordinary tokens, forwarded unread
+            if not self._held and (unread := reader.plain(block)) is not None:
+                client.write(unread)  # the hot path: ordinary tokens, forwarded unread
                 transcript.record_raw(block, reader.read_block)
                 await client.drain()
                 continue

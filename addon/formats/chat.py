@@ -30,7 +30,7 @@ from addon.formats.dialect import (
 )
 from addon.formats.sizes import bound
 from addon.formats.toolcalls import ToolCallHold, calls_chunk
-from addon.formats.transcript import Transcript, take_pieces
+from addon.formats.transcript import Transcript, take_pieces, without_pieces
 from addon.formats.wire import Header, error_event, error_text
 
 SEP = sse.TERMINATOR
@@ -52,8 +52,7 @@ class ChatReader:
         self.rewriter = rewriter
         self.strip_pieces = strip_pieces
         self.server = server
-        # Chunks carrying ids the client did not ask for are read, to take the ids out.
-        self._fast = rewriter is None and not strip_pieces
+        self._fast = rewriter is None
         self._calls = ToolCallHold()  # a new leg starts with no call pieces: cut ones dropped
         self._finished = False
 
@@ -61,8 +60,12 @@ class ChatReader:
     splitter = sse.EventSplitter
     events = staticmethod(sse.events)
 
-    def plain(self, block: bytes) -> bool:
-        return self._fast and sse.only_plain_chunks(block)
+    def plain(self, block: bytes) -> bytes | None:
+        if not self._fast or not sse.only_plain_chunks(block):
+            return None
+        # Ids the client did not ask for are cut out of the bytes (the transcript reads
+        # them from the block as the server sent it).
+        return without_pieces(block) if self.strip_pieces else block
 
     def take(self, event: bytes) -> list[Event] | str:
         if sse.is_comment(event):

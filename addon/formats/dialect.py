@@ -60,8 +60,9 @@ class LegReader(Protocol):
 
     def events(self, block: bytes) -> list[bytes]: ...
 
-    def plain(self, block: bytes) -> bool:
-        """Whether the whole block can go out unread (the hot path)."""
+    def plain(self, block: bytes) -> bytes | None:
+        """What of the whole block goes out unread (the hot path; the transcript reads the
+        block itself later), or None when it is taken event by event."""
         ...
 
     def take(self, event: bytes) -> list[Event] | str:

@@ -46,16 +46,17 @@ class MessagesReader(TypedEventReader):
         self._tool_index: Any = None
         self._finished = False
 
-    def plain(self, block: bytes) -> bool:
+    def plain(self, block: bytes) -> bytes | None:
         """Only text and thinking deltas, which nothing but the transcript needs to read."""
         n = block.count(SEP)
-        return (
+        plain = (
             self.rewriter is None
             and self._tool is None
             and block.count(b'"type":"content_block_delta"') == n
             and block.count(b'"type":"text_delta"') + block.count(b'"type":"thinking_delta"') == n
             and b'"error"' not in block
         )
+        return block if plain else None
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         if payload.get("type") == "error" or ("error" in payload and "type" not in payload):

@@ -75,14 +75,15 @@ class OllamaReader:
     def events(block: bytes) -> list[bytes]:
         return [line for line in block.split(NL) if line.strip()]
 
-    def plain(self, block: bytes) -> bool:
+    def plain(self, block: bytes) -> bytes | None:
         """Only pieces of the answer: lines that are not the last, no error, no tool call."""
-        return (
+        plain = (
             self.rewriter is None
             and block.count(b'"done":false') == block.count(NL)
             and b'"error"' not in block
             and b'"tool_calls"' not in block
         )
+        return block if plain else None
 
     def take(self, event: bytes) -> list[Event] | str:
         payload = json_object(event, loads)

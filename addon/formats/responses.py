@@ -51,14 +51,15 @@ class ResponsesReader(TypedEventReader):
         self._call: list[bytes] | None = None  # a function call's events, until it is whole
         self._finished = False
 
-    def plain(self, block: bytes) -> bool:
+    def plain(self, block: bytes) -> bytes | None:
         """Only text deltas, which nothing but the transcript needs to read."""
-        return (
+        plain = (
             self.rewriter is None
             and self._call is None
             and block.count(b'"type":"response.output_text.delta"') == block.count(SEP)
             and b'"error"' not in block
         )
+        return block if plain else None
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         kind = payload.get("type")

@@ -4,6 +4,7 @@ Every later leg is asked to go on from here."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +168,55 @@ def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
     if pieces is None or len(known) != len(pieces):
         return None  # none, or in a form without ids: the text is what can be replayed
     return known
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"
+
+
+def without_pieces(block: bytes) -> bytes | None:
+    """`block` (plain chat chunks) with the token pieces cut out of its bytes as
+    `take_pieces(strip=True)` takes them out of a parsed chunk: `token_ids` and
+    `prompt_token_ids` where a chunk has them (vLLM's), else `logprobs` (llama-server's).
+    The rest stays as the server wrote it. None where the bytes are not what they seem."""
+    text = block.decode()
+    keys = ('"token_ids":', '"prompt_token_ids":') if '"token_ids":' in text else ('"logprobs":',)
+    try:
+        for key in keys:
+            text = _cut(text, key)
+    except ValueError:
+        return None
+    if any(key[:-1] in text for key in keys):
+        return None  # written another way ('"logprobs" :'): the parsed way takes it
+    return text.encode()
+
+
+def _cut(text: str, key: str) -> str:
+    """`text` without each `key` and its value (and one comma beside them)."""
+    while (at := text.find(key)) >= 0:
+        value = at + len(key)
+        while text[value] in _SPACE:
+            value += 1
+        _, end = _DECODER.raw_decode(text, value)
+        after = end
+        while after < len(text) and text[after] in _SPACE:
+            after += 1
+        if after < len(text) and text[after] == ",":  # a member follows: its comma goes
+            after += 1
+            while after < len(text) and text[after] in _SPACE:
+                after += 1
+            text = text[:at] + text[after:]
+            continue
+        before = at
+        while before > 0 and text[before - 1] in _SPACE:
+            before -= 1
+        if before and text[before - 1] == ",":  # the last member: the comma before it goes
+            text = text[: before - 1] + text[end:]
+        elif before and text[before - 1] == "{" and text[after : after + 1] == "}":
+            text = text[:at] + text[end:]  # the only member
+        else:
+            raise ValueError(f"{key} is not a member of an object here")
+    return text
 
 
 def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
