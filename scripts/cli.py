@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
-    from scripts.workers import HaproxyMissing, Workers
+    from scripts.workers.pool import HaproxyMissing, Workers
 
     if args.primary is None:
         print("spillover run: --workers needs --primary", file=sys.stderr)

@@ -20,6 +20,15 @@ if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get
         || echo "test: could not install tmux: the live view test skips" >&2
 fi
 
+# The workers' tests run HAProxy, Debian's package, in front of the proxies.
+if ! command -v haproxy >/dev/null 2>&1 && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null; then
+    echo "test: installing haproxy for the workers' tests"
+    apt-get install -y -q haproxy >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q haproxy >/dev/null; } \
+        || echo "test: could not install haproxy: the workers' tests skip" >&2
+fi
+
 # Most tests wait on real servers, so they run in parallel: one worker per core and one
 # more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers
 # start once. The few marked `alone` take real system RAM, which every proxy's watcher

@@ -13,7 +13,13 @@ from addon.formats import sse
 from addon.formats.chat import ChatReader
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
 from addon.formats.toolcalls import ToolCallHold
-from addon.formats.transcript import Transcript, take_pieces, without_pieces
+from addon.formats.transcript import (
+    LOGPROBS,
+    TOKEN_IDS,
+    Transcript,
+    take_pieces,
+    without_pieces,
+)
 from addon.handoff.exact import NativeToChat, native_body
 from addon.servers.upstream import ChunkedBody, LengthBody, UpstreamError
 from scripts.testbed.scripted_upstream import chunked, sse_chunk
@@ -262,9 +268,9 @@ def test_text_without_ids_turns_exact_replay_off_for_good() -> None:
 
 def test_ids_taken_out_of_a_chunk_leave_no_logprobs_behind() -> None:
     chunk = _with_pieces(" the", (5, " the"))
-    assert take_pieces(chunk, strip=True) == [(5, b" the")]
+    assert take_pieces(chunk, strip=LOGPROBS) == [(5, b" the")]
     assert "logprobs" not in chunk["choices"][0]
-    assert take_pieces(chunk, strip=True) is None
+    assert take_pieces(chunk, strip=LOGPROBS) is None
 
 
 def test_native_events_become_chat_chunks() -> None:
@@ -318,14 +324,17 @@ CHUNKS_WITH_PIECES = [
 def test_pieces_cut_from_the_bytes_are_what_parsing_takes_out(block: bytes) -> None:
     """The hot path cuts the ids the client did not ask for out of the server's bytes;
     what is left reads as the parsed way leaves it."""
-    cut = without_pieces(block)
+    strip = TOKEN_IDS if b'"token_ids"' in block else LOGPROBS
+    cut = without_pieces(block, strip)
     assert cut is not None
     parsed = json.loads(block[6:])
-    take_pieces(parsed, strip=True)
+    take_pieces(parsed, strip)
     assert json.loads(cut[6:]) == parsed
     assert cut.endswith(b"}\n\n")
 
 
 def test_pieces_written_another_way_are_left_to_the_parsed_way() -> None:
-    assert without_pieces(b'data: {"choices": [{"logprobs" : {"content": []}}]}\n\n') is None
-    assert without_pieces(b'data: {"choices": ["logprobs":{}]}\n\n') is None
+    assert (
+        without_pieces(b'data: {"choices": [{"logprobs" : {"content": []}}]}\n\n', LOGPROBS) is None
+    )
+    assert without_pieces(b'data: {"choices": ["logprobs":{}]}\n\n', LOGPROBS) is None

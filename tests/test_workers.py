@@ -175,3 +175,24 @@ def test_without_haproxy_workers_say_what_to_install(primary: LlamaServer) -> No
     )  # fmt: skip
     assert run.returncode == 2
     assert "/nonexistent/haproxy not found): apt-get install haproxy" in run.stderr
+
+
+def test_stopping_lets_the_live_answers_end_whole(
+    primary: LlamaServer, fallback: LlamaServer, server_logs: Path
+) -> None:
+    """SIGTERM to `spillover run --workers`: HAProxy drains every worker, so an answer
+    streaming then ends whole before the workers stop."""
+    workers = SpilloverWorkers(primary.url, [fallback.url], log_dir=server_logs).start()
+    children = workers.pids()
+    assert len(children) == 3  # two workers and HAProxy
+    try:
+        stream = read_stream(
+            workers.url, chat_body(LONG),
+            on_chunk=lambda n: n == 10 and os.kill(workers.pid, signal.SIGTERM),
+        )  # fmt: skip
+        assert_one_clean_stream(stream)
+        assert stream.text == direct_text(primary.url, LONG)
+        assert workers.process is not None and workers.process.wait(30) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children)  # all gone
+    finally:
+        workers.stop()

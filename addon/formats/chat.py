@@ -46,7 +46,11 @@ def ends_answer(chunk: dict[str, Any]) -> bool:
 
 class ChatReader:
     def __init__(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> None:
         self.transcript = transcript
         self.rewriter = rewriter
@@ -65,7 +69,7 @@ class ChatReader:
             return None
         # Ids the client did not ask for are cut out of the bytes (the transcript reads
         # them from the block as the server sent it).
-        return without_pieces(block) if self.strip_pieces else block
+        return without_pieces(block, self.strip_pieces) if self.strip_pieces else block
 
     def take(self, event: bytes) -> list[Event] | str:
         if sse.is_comment(event):
@@ -84,7 +88,7 @@ class ChatReader:
                 return []
         pieces = None
         if self.strip_pieces and (changed or b'"logprobs"' in event or b'"token_ids"' in event):
-            pieces = take_pieces(chunk, strip=True)
+            pieces = take_pieces(chunk, self.strip_pieces)
             changed = True
         if changed:
             event = sse.encode(chunk)
@@ -156,7 +160,11 @@ class Chat:
         return bound(turns, self.limit(body))
 
     def reader(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> ChatReader:
         return ChatReader(transcript, rewriter, strip_pieces, server)
 

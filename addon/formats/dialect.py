@@ -115,7 +115,11 @@ class Dialect(Protocol):
         ...
 
     def reader(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> LegReader: ...
 
     def note(self, text: str) -> bytes | None:

@@ -195,7 +195,11 @@ class Messages:
         return bound([[body.get("system")], *turns], self.limit(body))
 
     def reader(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> MessagesReader:
         return MessagesReader(transcript, rewriter, server)
 

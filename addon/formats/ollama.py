@@ -195,7 +195,11 @@ class Ollama:
         return bound(turns, self.limit(body))
 
     def reader(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> OllamaReader:
         return OllamaReader(transcript, rewriter, server)
 

@@ -310,7 +310,11 @@ class Responses:
         return bound([[body.get("instructions")], *turns], self.limit(body))
 
     def reader(
-        self, transcript: Transcript, rewriter: Rewriter | None, strip_pieces: bool, server: str
+        self,
+        transcript: Transcript,
+        rewriter: Rewriter | None,
+        strip_pieces: str | None,
+        server: str,
     ) -> ResponsesReader:
         return ResponsesReader(transcript, rewriter, server)
 

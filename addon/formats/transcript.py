@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
+# Which pieces the addon asked for itself, in the first server's engine's terms, and so
+# takes out again before the client sees them (see handoff/exact.py).
+TOKEN_IDS = "token_ids"  # vLLM's `return_token_ids`
+LOGPROBS = "logprobs"  # llama-server's logprobs, with each token's id
 
 
 @dataclass
@@ -124,7 +128,7 @@ class Transcript:
     def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int) -> None:
         """Take the chunk's ids; `counted` tokens were counted from its deltas."""
         if pieces is None:
-            pieces = take_pieces(chunk, strip=False)
+            pieces = take_pieces(chunk)
         if pieces is None:
             if self.ids is not None and any(_said(c) for c in chunk.get("choices") or ()):
                 self.ids = None  # text without ids: it can only be replayed as text
@@ -149,19 +153,21 @@ def _said(choice: dict[str, Any]) -> bool:
     return bool(delta.get("content") or delta.get("reasoning_content"))
 
 
-def take_pieces(chunk: dict[str, Any], strip: bool) -> list[Piece] | None:
+def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] | None:
     """The token pieces a chat chunk carries (None when it carries none): llama-server's
     in its logprobs, each token with its bytes; vLLM's as `token_ids`, the chunk's text
-    given to its first. With `strip`, they are removed from the chunk."""
+    given to its first. `strip` (TOKEN_IDS or LOGPROBS) names the ones the addon asked
+    for, which are removed from the chunk: the client's own stay."""
     pieces: list[Piece | None] | None = None
-    if strip:
+    if strip == TOKEN_IDS:
         chunk.pop("prompt_token_ids", None)
     for choice in chunk.get("choices") or ():
-        token_ids = choice.pop("token_ids", None) if strip else choice.get("token_ids")
+        taken = choice.pop if strip == TOKEN_IDS else choice.get
+        token_ids = taken("token_ids", None)
         if isinstance(token_ids, list):
             pieces = [*(pieces or []), *_id_pieces(choice, token_ids)]
             continue
-        logprobs = choice.pop("logprobs", None) if strip else choice.get("logprobs")
+        logprobs = choice.pop("logprobs", None) if strip == LOGPROBS else choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
     known = [piece for piece in pieces or () if piece is not None]
@@ -174,13 +180,13 @@ _DECODER = json.JSONDecoder()
 _SPACE = " \t\r\n"
 
 
-def without_pieces(block: bytes) -> bytes | None:
+def without_pieces(block: bytes, strip: str) -> bytes | None:
     """`block` (plain chat chunks) with the token pieces cut out of its bytes as
-    `take_pieces(strip=True)` takes them out of a parsed chunk: `token_ids` and
-    `prompt_token_ids` where a chunk has them (vLLM's), else `logprobs` (llama-server's).
-    The rest stays as the server wrote it. None where the bytes are not what they seem."""
+    `take_pieces` strips them from a parsed chunk: `token_ids` and `prompt_token_ids`
+    (vLLM's), or `logprobs` (llama-server's). The rest stays as the server wrote it.
+    None where the bytes are not what they seem."""
     text = block.decode()
-    keys = ('"token_ids":', '"prompt_token_ids":') if '"token_ids":' in text else ('"logprobs":',)
+    keys = ('"token_ids":', '"prompt_token_ids":') if strip == TOKEN_IDS else ('"logprobs":',)
     try:
         for key in keys:
             text = _cut(text, key)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import constraint_of, positive_int
+from addon.formats.transcript import LOGPROBS, TOKEN_IDS
 from addon.handoff import exact_vllm
 from addon.servers.upstream import Upstream
 
@@ -73,10 +74,11 @@ def first_leg_asks(
     raw_body: bytes,
     ladder: Sequence[Upstream],
     servers: ServerDirectory | None,
-) -> tuple[bool, bool, bytes]:
+) -> tuple[bool, str | None, bytes]:
     """Whether the first leg asks for token ids (another server on the ladder shares its
-    tokenizer and could replay them), whether they are taken out again before the client
-    sees them (it did not ask for them itself), and the first leg's request body. Asked
+    tokenizer and could replay them), which of the pieces are taken out again before the
+    client sees them (TOKEN_IDS or LOGPROBS, the ones it did not ask for itself; None),
+    and the first leg's request body. Asked
     in the first server's engine's own terms (llama-server's logprobs, vLLM's ids)."""
     vllm = servers is not None and servers.get(ladder[0]).engine == exact_vllm.ENGINE
     wants = exact_vllm.client_wants_ids(body) if vllm else client_wants_logprobs(body)
@@ -87,11 +89,10 @@ def first_leg_asks(
         and (wants or may_ask)
         and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
     )
-    strips = asks and not wants
-    if not strips:
-        return asks, strips, raw_body
+    if not asks or wants:
+        return asks, None, raw_body
     asked = exact_vllm.asking_for_ids(body) if vllm else asking_for_ids(body)
-    return asks, strips, json.dumps(asked).encode()
+    return asks, TOKEN_IDS if vllm else LOGPROBS, json.dumps(asked).encode()
 
 
 def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:

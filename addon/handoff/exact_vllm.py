@@ -32,10 +32,15 @@ def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "return_token_ids": True}
 
 
-def native_body(body: dict[str, Any], prompt: list[int], produced: int) -> dict[str, Any]:
+def native_body(
+    body: dict[str, Any], prompt: list[int], produced: int, context: int
+) -> dict[str, Any]:
     """A text completion that goes on from `prompt` (the chat prompt's ids, then the
-    answer's), with the chat request's sampling settings."""
+    answer's), with the chat request's sampling settings. Where the client set no limit,
+    the rest of the server's `context`: vLLM's text route reads a null `max_tokens` as
+    its default, 16 tokens, where its chat route goes on to the end of the context."""
     limit = token_limit(body)
-    native = text_completion(body, prompt, None if limit is None else max(1, limit - produced))
+    left = context - len(prompt) if limit is None else max(1, limit - produced)
+    native = text_completion(body, prompt, max(1, left))
     native.pop("return_token_ids", None)
     return native

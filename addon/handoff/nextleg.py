@@ -189,9 +189,12 @@ class NextLeg:
         assert servers is not None
         if (ids := self._exact_ids(upstream)) is None:
             return None
+        if (context := servers.get(upstream).slot_context) is None:
+            return None  # the rest of its context cannot be named: text, by its chat route
         if (prompt := await servers.prompt_ids(upstream, self.body)) is None:
             return None
-        body = exact_vllm.native_body(self.body, prompt + ids, self.transcript.produced)
+        produced = self.transcript.produced
+        body = exact_vllm.native_body(self.body, prompt + ids, produced, context)
         return rendered.PATH, body, self._completion_rewriter()
 
     def _completion_rewriter(self) -> rendered.CompletionRewriter:

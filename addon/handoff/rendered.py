@@ -32,8 +32,9 @@ def text_completion(
 ) -> dict[str, Any]:
     """A streamed `/v1/completions` request of `prompt` (text or token ids) with the chat
     request's sampling settings. Its limit is always named: `max_tokens` left, or, where
-    the client set none, null, which vLLM and llama-cpp-python read as the rest of their
-    context (their text route's default is 16 tokens, where a chat answer has none).
+    the client set none, the caller's (null: llama-cpp-python reads it as the rest of its
+    context, where its text route's default is 16 tokens; vLLM does not, see
+    exact_vllm.py).
     The client's `stream_options` go along (usage at the end), and its logprobs are asked
     in the text route's terms (`CompletionRewriter` gives them back in the chat's)."""
     # `echo` would send back the prompt, rendered or as ids: the client has had its echo.

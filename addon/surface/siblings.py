@@ -1,5 +1,5 @@
 """The other workers of one proxy (`spillover run --workers N`: N whole proxies behind
-HAProxy, scripts/workers.py). A control request any worker gets is answered for all of
+HAProxy, scripts/workers/pool.py). A control request any worker gets is answered for all of
 them: an asked-for handoff, a drain or an undrain is passed on to the others, and the
 metrics are summed. What is passed on carries FANNED and goes no further.
 

@@ -1,5 +1,5 @@
 """`spillover run --workers N` as the tests and benchmarks start it: HAProxy on the port,
-N whole proxies behind it (scripts/workers.py)."""
+N whole proxies behind it (scripts/workers/pool.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""`spillover run --workers N`: several proxies behind HAProxy (pool.py)."""
