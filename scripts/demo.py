@@ -62,9 +62,14 @@ def stream(proxy: Mitmdump, after: int, action: Callable[[], None]) -> queue.Que
                 if line.startswith(":"):
                     events.put(("note", line.lstrip(": ")))
                 elif line.startswith("data: ") and line != "data: [DONE]":
-                    events.put(("chunk", json.loads(line[6:])))
-                    received += 1
-                    if received == after:
+                    chunk = json.loads(line[6:])
+                    events.put(("chunk", chunk))
+                    # Tokens, not chunks: the first chunk carries the role alone.
+                    said = any(
+                        (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()
+                    )
+                    received += said
+                    if said and received == after:
                         threading.Thread(target=action).start()
         events.put(("end", None))
 

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.processes import ManagedProcess, ServerFailed
 
@@ -45,14 +43,17 @@ class SpilloverWorkers(ManagedProcess):
         return argv
 
     def start(self, timeout: float = 60.0) -> SpilloverWorkers:
-        super().start(timeout)
+        """Started, once HAProxy sends requests to every worker (the supervisor says so:
+        before, requests may all go to the first worker up, or to the primary)."""
+        self.launch()
         deadline = time.monotonic() + timeout
-        while len(self.worker_ports()) < self.count:
-            if time.monotonic() > deadline:
+        ready = f"{self.count} workers up behind HAProxy"
+        while ready not in self.log_path.read_text(errors="replace"):
+            assert self.process is not None
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise ServerFailed(f"{self.count} workers never came up:\n{self.log_tail()}")
             time.sleep(0.05)
-        for port in self.worker_ports():
-            _wait(f"http://127.0.0.1:{port}/spillover/health", deadline)
         return self
 
     def workers(self) -> dict[int, int]:
@@ -79,17 +80,6 @@ class SpilloverWorkers(ManagedProcess):
             worker = Mitmdump(self.primary, self.fallbacks, port=port)
             known.append(worker.servers_known(timeout))
         return known
-
-
-def _wait(url: str, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise ServerFailed(f"{url} never answered")
 
 
 def _children(pid: int) -> list[int]:

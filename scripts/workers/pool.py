@@ -4,10 +4,11 @@ than one process (one core) carries.
 Each worker is mitmdump with the addon on a loopback port of its own, with its own
 memory watcher. HAProxy (Debian's package; `apt-get install haproxy`) listens where
 clients connect: `leastconn` over the workers, each checked on its /spillover/health
-every half second, and the primary as a `backup` server, so that clients reach the
-primary straight when no worker is up (the fail-open guard's job, done by HAProxy). A
-worker that exits is started again on its port. On SIGTERM or SIGINT every worker is put
-in HAProxy's drain state, its live answers end as they would, and then all stop.
+every 2 s (every half second while its state changes), and the primary as a `backup`
+server, so that clients reach the primary straight when no worker is up (the fail-open
+guard's job, done by HAProxy). A worker that exits is started again on its port. On
+SIGTERM or SIGINT every worker is put in HAProxy's drain state, its live answers end as
+they would, and then all stop.
 
 What must be one across the workers (surface/siblings.py): a control request sent to
 any worker reaches all of them, and metrics are summed; the shadow budget
@@ -82,6 +83,8 @@ defaults
     timeout client 1h
     timeout server 1h
     timeout http-keep-alive 60s
+    # A busy worker may take a while to answer its check: it is not down for that.
+    timeout check 2s
     retries 2
     option redispatch
     # Every event goes out as it comes: without it HAProxy holds small writes back for
@@ -99,7 +102,9 @@ backend workers
     balance leastconn
     option httpchk GET /spillover/health
     http-check expect status 200
-    default-server inter {CHECK_MS}ms fall 2 rise 2
+    # Checked every 2 s (a line in each worker's log), every half second while one is
+    # going down or coming up; a dead one's new requests go elsewhere at once meanwhile.
+    default-server inter 2s fastinter {CHECK_MS}ms downinter {CHECK_MS}ms fall 2 rise 2
 {servers}
     server primary {backup} backup{tls}
 """
@@ -124,8 +129,8 @@ class Workers:
         self.mitmdump = mitmdump
         self.extra = list(extra)
         self.ports = [free_port() for _ in range(count)]
-        self._dir = Path(tempfile.mkdtemp(prefix="spillover-workers-"))
-        self.admin_socket = self._dir / "haproxy.sock"
+        self._dir: Path | None = None  # HAProxy's config and admin socket, from start()
+        self.admin_socket = Path()
         self.workers: list[subprocess.Popen[bytes] | None] = [None] * count
         self.haproxy: subprocess.Popen[bytes] | None = None
         self._stopping = False
@@ -144,12 +149,25 @@ class Workers:
 
     def start(self) -> Workers:
         binary = haproxy_binary()
+        self._dir = Path(tempfile.mkdtemp(prefix="spillover-workers-"))
+        self.admin_socket = self._dir / "haproxy.sock"
         for index in range(self.count):
             self._start_worker(index)
         config = self._dir / "haproxy.cfg"
         config.write_text(haproxy_config(self.listen, self.ports, self.primary, self.admin_socket))
+        # HAProxy first: while the workers start, clients reach the primary (its backup).
         self.haproxy = subprocess.Popen([binary, "-f", str(config), "-db"], preexec_fn=_orphaned)
         return self
+
+    def up(self) -> int:
+        """How many workers HAProxy sends requests to now."""
+        try:
+            stat = self.admin("show stat")
+        except OSError:
+            return 0
+        names = {f"w{index}" for index in range(self.count)}
+        rows = [line.split(",") for line in stat.splitlines()]
+        return sum(1 for f in rows if len(f) > 17 and f[1] in names and f[17] == "UP")
 
     def _start_worker(self, index: int) -> None:
         self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=_orphaned)
@@ -161,7 +179,13 @@ class Workers:
         """Keep the workers running until told to stop (or HAProxy exits)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "_stopping", True))
+        announced = False
         while not self._stopping:
+            if not announced and self.up() == self.count:
+                host, port = self.listen
+                print(f"spillover: {self.count} workers up behind HAProxy on {host}:{port}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                announced = True
             assert self.haproxy is not None
             if (code := self.haproxy.poll()) is not None:
                 print(f"spillover: HAProxy exited ({code}); stopping", file=sys.stderr)
@@ -213,7 +237,8 @@ class Workers:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     process.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def shadow_share(extra: list[str], index: int, count: int) -> tuple[list[str], int]:
