@@ -111,9 +111,12 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
         print("spillover run: --workers needs --primary", file=sys.stderr)
         return 2
     mitmdump = shutil.which("mitmdump", path=str(Path(sys.executable).parent)) or "mitmdump"
+    command = [mitmdump, "-s", str(ADDON)]
+    if args.confdir is not None:  # its config.yaml holds the other options
+        command += ["--set", f"confdir={args.confdir}"]
     pool = Workers(
         args.primary, args.fallbacks, args.workers, (args.listen_host, args.port),
-        [mitmdump, "-s", str(ADDON)], [arg for arg in extra if arg != "--"],
+        command, [arg for arg in extra if arg != "--"],
     )  # fmt: skip
     try:
         pool.start()

@@ -66,30 +66,38 @@ def ensure_token() -> Path:
     return path
 
 
-def options_file(primary: str, fallbacks: str, proxy_port: int, public: bool) -> str:
+def options_file(
+    primary: str, fallbacks: str, proxy_port: int, public: bool, workers: int = 0
+) -> str:
     # Behind a guard on a public address every client looks local: no control without
-    # the token then (the guard has it too, for its health check).
+    # the token then (the guard has it too, for its health check). Behind HAProxy (the
+    # workers) the control routes see each client's own address.
     token = json.dumps(f"@{token_file()}")
-    local = f"spillover_control_local: false\nspillover_control_token: {token}\n" if public else ""
+    guarded = public and not workers
+    local = f"spillover_control_local: false\nspillover_control_token: {token}\n" if guarded else ""
+    # The workers' command names the primary and the fallbacks (each worker its own port).
+    route = "" if workers else (
+        "mode:\n"
+        f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
+        f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
+    )  # fmt: skip
     return (
         "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
         "# or spillover_* option (see the README's table). Restart the service after an edit:\n"
         "#   systemctl --user restart spillover-proxy\n"
-        "mode:\n"
-        f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
-        f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
-        f"{local}"
+        f"{route}{local}"
         "flow_detail: 0\n"
     )
 
 
-def proxy_unit(confdir: Path) -> str:
+def proxy_unit(confdir: Path, workers: str = "") -> str:
+    """`workers`: the `run` arguments of workers behind HAProxy, if any."""
     return (
         "[Unit]\n"
         "Description=spillover proxy: mitmdump with the spillover addon\n"
         "After=network.target\n\n"
         "[Service]\n"
-        f"ExecStart={command()} run --confdir {confdir}\n"
+        f"ExecStart={command()} run --confdir {confdir}{workers}\n"
         "Restart=on-failure\n"
         "RestartSec=1\n\n"
         "[Install]\n"
@@ -129,6 +137,8 @@ def by_hand(units: Path) -> str:
     """How to start what the units start, without a service manager."""
     commands = []
     for unit in UNITS:
+        if not (units / unit).exists():
+            continue  # (the guard, with workers behind HAProxy)
         for line in (units / unit).read_text().splitlines():
             if line.startswith("ExecStart="):
                 commands.append(line.removeprefix("ExecStart="))
@@ -162,13 +172,32 @@ def install(args: argparse.Namespace) -> None:
                 f"add spillover_control_token: '@{token_file()}' to {options}"
             )
     else:
-        options.write_text(options_file(args.primary, args.fallbacks, args.proxy_port, public))
+        options.write_text(
+            options_file(args.primary, args.fallbacks, args.proxy_port, public, args.workers)
+        )
         print(f"services: wrote {options}")
-    (units / UNITS[0]).write_text(proxy_unit(confdir))
-    (units / UNITS[1]).write_text(guard_unit(args.listen, args.proxy_port, args.primary, public))
-    print(f"services: wrote {', '.join(str(units / u) for u in UNITS)}")
+    if args.workers:
+        # HAProxy takes the clients' address and does the guard's job (scripts/workers).
+        host, port = address(args.listen)
+        workers = (
+            f" --primary {args.primary} --fallbacks '{args.fallbacks}' --workers {args.workers}"
+            f" --listen-host {host} --port {port}"
+        )
+        written = UNITS[:1]
+        (units / UNITS[0]).write_text(proxy_unit(confdir, workers))
+        if (units / UNITS[1]).exists():
+            if not args.no_start:
+                systemctl("disable", "--now", UNITS[1])
+            (units / UNITS[1]).unlink()
+    else:
+        written = UNITS
+        (units / UNITS[0]).write_text(proxy_unit(confdir))
+        (units / UNITS[1]).write_text(
+            guard_unit(args.listen, args.proxy_port, args.primary, public)
+        )
+    print(f"services: wrote {', '.join(str(units / u) for u in written)}")
     if not args.no_start:
-        why = systemctl("daemon-reload") or systemctl("enable", "--now", *UNITS)
+        why = systemctl("daemon-reload") or systemctl("enable", "--now", *written)
         if why is not None:
             print(f"services: not started: {why}; this machine has no user systemd to run them.")
             print(f"services: start them by hand:\n{by_hand(units)}")
@@ -197,6 +226,10 @@ def main() -> None:
     put.add_argument("--fallbacks", default="", help="comma-separated fallback URLs")
     put.add_argument("--listen", default="127.0.0.1:8080", help="the clients' address (guard)")
     put.add_argument("--proxy-port", type=int, default=8090)
+    put.add_argument(
+        "--workers", type=int, default=0,
+        help="run this many proxies behind HAProxy on --listen, instead of one and the guard",
+    )  # fmt: skip
     put.add_argument("--no-start", action="store_true", help="only write the files")
     remove = commands.add_parser("uninstall")
     remove.add_argument("--purge", action="store_true", help="remove the options file too")

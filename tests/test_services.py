@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from scripts.testbed.mitm import REPO
 from scripts.testbed.processes import free_port
@@ -202,3 +203,43 @@ def test_an_options_file_that_names_the_addon_file_is_mended(tmp_path: Path) -> 
     assert "named the addon's file: removed" in said and options.read_text() == written
     proxy = (config / "systemd" / "user" / "spillover-proxy.service").read_text()
     assert f"ExecStart={Path(sys.executable).parent / 'spillover'} run --confdir " in proxy
+
+
+def test_with_workers_one_unit_runs_them_behind_haproxy(primary, fallback, tmp_path: Path) -> None:
+    """`install --workers 2`: one unit, `spillover run --workers 2` on the clients'
+    address (HAProxy does the guard's job, so no guard unit); the options file holds the
+    rest and every worker reads it."""
+    if not (shutil.which("haproxy") or os.access("/usr/sbin/haproxy", os.X_OK)):
+        pytest.skip("HAProxy is not installed (apt-get install haproxy)")
+    config = tmp_path / "config"
+    listen = free_port()
+    services(
+        config, "install", "--primary", primary.url, "--fallbacks", fallback.url,
+        "--listen", f"127.0.0.1:{listen}", "--workers", "2", "--no-start",
+    )  # fmt: skip
+    units = config / "systemd" / "user"
+    assert not (units / "spillover-guard.service").exists()
+    options = config / "spillover" / "config.yaml"
+    assert "mode:" not in options.read_text()
+    options.write_text(options.read_text() + "spillover_interval_ms: 35\n")
+    argv, cwd = unit_command(units / "spillover-proxy.service")
+    assert argv[1:3] == ["run", "--confdir"] and "--workers" in argv
+    log = (tmp_path / "workers.log").open("wb")
+    process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        clients = f"http://127.0.0.1:{listen}"
+        wait_until(lambda: "2 workers up behind HAProxy" in (tmp_path / "workers.log").read_text())
+        status = httpx.get(f"{clients}/spillover/status").json()
+        for worker in [status, *status["other_workers"]]:
+            assert worker["fallbacks"] == [fallback.url]
+            assert worker["memory"]["interval_ms"] == 35  # from the options file
+        reply = httpx.post(
+            f"{clients}/v1/chat/completions", json={**chat_body(4), "stream": False}, timeout=30
+        )
+        assert reply.status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    services(config, "uninstall", "--no-start", "--purge")
+    assert not (units / "spillover-proxy.service").exists()

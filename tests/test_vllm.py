@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,14 @@ from scripts.testbed.vllmserver import (
     ensure_usable,
     hf_copy,
 )
-from tests.streams import assert_one_clean_stream, continuation, direct_text, read_stream
+from scripts.testbed.workers import SpilloverWorkers
+from tests.streams import (
+    RawStream,
+    assert_one_clean_stream,
+    continuation,
+    direct_text,
+    read_stream,
+)
 from tests.test_routing import live_on
 from tests.test_splice import held
 
@@ -276,9 +284,15 @@ def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
     assert f"{vllm.url} -> {vllm_twin.url}" in note and "replayed as token ids" in note
     assert not any("token_ids" in chunk for chunk in stream.chunks)
     assert not any("token_ids" in choice for c in stream.chunks for choice in c["choices"])
+    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    assert_twin_goes_on(stream, vllm, vllm_twin, handoff["at_token"])
+
+
+def assert_twin_goes_on(stream: RawStream, vllm: VllmServer, twin: Address, cut: int) -> None:
+    """vLLM's own answer, with its ids, asked directly: the part before the cut is the
+    first leg's, and the twin, given the prompt's ids and the first `cut` ids (those
+    delivered: a chunk may carry more than one), goes on as the client read it."""
     before, after = stream.segments
-    # vLLM's own answer, with its ids, asked directly: the part before the cut is the
-    # first leg's, and the twin, given the prompt's ids and the first ids, goes on so.
     whole = httpx.post(
         f"{vllm.url}/v1/chat/completions",
         json={**chat_body(LONG, model=SERVED_NAME), "stream": False, "return_token_ids": True},
@@ -286,15 +300,37 @@ def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
     ).json()  # fmt: skip
     prompt, ids = whole["prompt_token_ids"], whole["choices"][0]["token_ids"]
     assert whole["choices"][0]["message"]["content"].startswith(before)
-    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
-    cut = handoff["at_token"]  # the ids delivered (a chunk may carry more than one)
     direct = httpx.post(
-        f"{vllm_twin.url}/v1/completions",
+        f"{twin.url}/v1/completions",
         json={"model": SERVED_NAME, "prompt": prompt + ids[:cut], "max_tokens": LONG - cut,
               "temperature": 0},
         timeout=120,
     ).json()["choices"][0]["text"]  # fmt: skip
     assert after == direct
+
+
+def test_workers_behind_haproxy_carry_a_vllm_answer_and_its_handoff(
+    vllm: VllmServer, vllm_twin: Address, server_logs: Path
+) -> None:
+    """`spillover run --workers 2` in front of vLLM: the handoff asked through HAProxy
+    reaches whichever worker carries the answer, which goes on from its token ids."""
+    if not (shutil.which("haproxy") or os.access("/usr/sbin/haproxy", os.X_OK)):
+        pytest.skip("HAProxy is not installed (apt-get install haproxy)")
+    pool = SpilloverWorkers(vllm.url, [vllm_twin.url], log_dir=server_logs).start()
+    try:
+        pool.servers_known()
+        stream = read_stream(
+            pool.url, chat_body(LONG, model=SERVED_NAME),
+            on_chunk=lambda n: n == 20 and httpx.post(f"{pool.url}/spillover/handoff"),
+        )  # fmt: skip
+        assert_one_clean_stream(stream)
+        (note,) = stream.notes
+        assert "replayed as token ids" in note
+        status = httpx.get(f"{pool.url}/spillover/status").json()
+        (cut,) = [h for s in [status, *status["other_workers"]] for h in s["recent_handoffs"]]
+        assert_twin_goes_on(stream, vllm, vllm_twin, cut["at_token"])
+    finally:
+        pool.stop()
 
 
 def test_a_client_without_a_limit_gets_the_rest_with_its_usage_and_logprobs(
