@@ -240,7 +240,7 @@ def main() -> None:
             print("  " + describe_server(url, infos[url], cards))
         for warning in slot_warnings(infos):
             print(f"  {warning}")
-        print("\nwhich servers may continue an answer, and how (see README: Other engines)")
+        print("\nwhich servers may continue an answer, and how (see docs/engines.md)")
         for url in servers:
             print("  " + continuation_of(url, infos[url]))
         if args.slot_dir is not None:

@@ -83,7 +83,7 @@ def options_file(
     )  # fmt: skip
     return (
         "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
-        "# or spillover_* option (see the README's table). Restart the service after an edit:\n"
+        "# or spillover_* option (docs/running.md lists them). Restart the service after an edit:\n"
         "#   systemctl --user restart spillover-proxy\n"
         f"{route}{local}"
         "flow_detail: 0\n"

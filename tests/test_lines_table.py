@@ -1,4 +1,4 @@
-"""The README's table of what fires when, on 8 to 141 GiB cards, checked cell by cell
+"""The manual's table of what fires when, on 8 to 141 GiB cards, checked cell by cell
 against the watcher's own code (CardState and the monitor's sampling pace)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from watchers.pressure import CardState, Lines
 from watchers.reading import Reading
 from watchers.sysfs import SysfsVramSource
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+MANUAL = Path(__file__).resolve().parent.parent / "docs" / "memory.md"
 LINES = Lines()
 STEP = 0.02  # seconds between readings, as the monitor samples near a line
 
 
 def table() -> list[list[str]]:
-    text = README.read_text()
+    text = MANUAL.read_text()
     start = text.index("| card | hands off at free <=")
     rows = []
     for line in text[start:].splitlines()[2:]:
