@@ -8,9 +8,11 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 def test_the_readme_is_a_front_door_whose_links_lead_somewhere() -> None:
@@ -30,3 +32,24 @@ def test_the_manual_builds_in_strict_mode(tmp_path: Path) -> None:
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-3000:]
     assert (tmp_path / "site" / "workers" / "index.html").is_file()
+
+
+def test_the_handoff_timeline_is_drawn_from_a_real_run(tmp_path: Path) -> None:
+    """`scripts.timeline` runs two llama-servers and the addon, steps the primary's card,
+    and draws what the client read: both servers' tokens, the memory step, the decision
+    and the pause."""
+    out = tmp_path / "timeline.svg"
+    run = subprocess.run(
+        [sys.executable, "-m", "scripts.timeline", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    svg = ET.parse(out).getroot()
+    lines = {p.get("class"): p.get("points").split() for p in svg.iter(f"{SVG}polyline")}
+    assert set(lines) == {"primary", "fallback"}
+    assert len(lines["primary"]) + len(lines["fallback"]) == 600
+    assert len(lines["primary"]) >= 300  # the step came once the client had 300 tokens
+    said = " ".join(t.text or "" for t in svg.iter(f"{SVG}text"))
+    assert "card0: +5 GB used" in said and "handoff note" in said
+    assert re.search(r"pause before the fallback's first token: \d+\.\d ms", said)
+    assert "memory pressure on drm:card0" in run.stdout

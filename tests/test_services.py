@@ -18,6 +18,7 @@ import pytest
 
 from scripts.testbed.mitm import REPO
 from scripts.testbed.processes import free_port
+from scripts.testbed.workers import haproxy_missing
 from tests.streams import chat_body
 
 
@@ -209,8 +210,8 @@ def test_with_workers_one_unit_runs_them_behind_haproxy(primary, fallback, tmp_p
     """`install --workers 2`: one unit, `spillover run --workers 2` on the clients'
     address (HAProxy does the guard's job, so no guard unit); the options file holds the
     rest and every worker reads it."""
-    if not (shutil.which("haproxy") or os.access("/usr/sbin/haproxy", os.X_OK)):
-        pytest.skip("HAProxy is not installed (apt-get install haproxy)")
+    if (missing := haproxy_missing()) is not None:
+        pytest.skip(missing)
     config = tmp_path / "config"
     listen = free_port()
     services(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from scripts.testbed.vllmserver import (
     ensure_usable,
     hf_copy,
 )
-from scripts.testbed.workers import SpilloverWorkers
+from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.streams import (
     RawStream,
     assert_one_clean_stream,
@@ -275,17 +274,23 @@ def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(
         known[vllm.url]["tokenizer"]
         and known[vllm.url]["tokenizer"] == known[vllm_twin.url]["tokenizer"]
     )
-    stream = read_stream(
-        proxy.url, chat_body(LONG, model=SERVED_NAME),
-        on_chunk=lambda n: n == 20 and httpx.post(f"{proxy.url}/spillover/handoff"),
-    )  # fmt: skip
-    assert_one_clean_stream(stream)
+    stream = handed_off_after_20(proxy.url)
     (note,) = stream.notes
     assert f"{vllm.url} -> {vllm_twin.url}" in note and "replayed as token ids" in note
     assert not any("token_ids" in chunk for chunk in stream.chunks)
     assert not any("token_ids" in choice for c in stream.chunks for choice in c["choices"])
     (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
     assert_twin_goes_on(stream, vllm, vllm_twin, handoff["at_token"])
+
+
+def handed_off_after_20(url: str) -> RawStream:
+    """A LONG answer through the proxy at `url`, a handoff asked after its 20th chunk."""
+    stream = read_stream(
+        url, chat_body(LONG, model=SERVED_NAME),
+        on_chunk=lambda n: n == 20 and httpx.post(f"{url}/spillover/handoff"),
+    )  # fmt: skip
+    assert_one_clean_stream(stream)
+    return stream
 
 
 def assert_twin_goes_on(stream: RawStream, vllm: VllmServer, twin: Address, cut: int) -> None:
@@ -314,16 +319,12 @@ def test_workers_behind_haproxy_carry_a_vllm_answer_and_its_handoff(
 ) -> None:
     """`spillover run --workers 2` in front of vLLM: the handoff asked through HAProxy
     reaches whichever worker carries the answer, which goes on from its token ids."""
-    if not (shutil.which("haproxy") or os.access("/usr/sbin/haproxy", os.X_OK)):
-        pytest.skip("HAProxy is not installed (apt-get install haproxy)")
+    if (missing := haproxy_missing()) is not None:
+        pytest.skip(missing)
     pool = SpilloverWorkers(vllm.url, [vllm_twin.url], log_dir=server_logs).start()
     try:
         pool.servers_known()
-        stream = read_stream(
-            pool.url, chat_body(LONG, model=SERVED_NAME),
-            on_chunk=lambda n: n == 20 and httpx.post(f"{pool.url}/spillover/handoff"),
-        )  # fmt: skip
-        assert_one_clean_stream(stream)
+        stream = handed_off_after_20(pool.url)
         (note,) = stream.notes
         assert "replayed as token ids" in note
         status = httpx.get(f"{pool.url}/spillover/status").json()

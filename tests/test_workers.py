@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from scripts.testbed.llamaserver import LlamaServer
-from scripts.testbed.workers import SpilloverWorkers
+from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.streams import (
     RawStream,
     assert_exact_splice,
@@ -32,8 +31,7 @@ from tests.streams import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not (shutil.which("haproxy") or os.access("/usr/sbin/haproxy", os.X_OK)),
-    reason="HAProxy is not installed (apt-get install haproxy; scripts/test.sh does as root)",
+    haproxy_missing() is not None, reason=f"{haproxy_missing()} (scripts/test.sh does as root)"
 )
 LONG = 600
 

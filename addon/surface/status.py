@@ -3,6 +3,7 @@ other addons add (the memory watcher's cards)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ def assemble_status(
         splice.transcript.settle()
     router, shadows = fleet.router, fleet.shadows.by_answer
     return {
+        "pid": os.getpid(),  # which process answers (one of several workers, say)
         "fallbacks": [u.url for u in fleet.fallbacks],
         "routing": {
             "states": router.status(urls),

@@ -53,6 +53,21 @@ class Mitmdump(ManagedProcess):
         # With the addon, its control route answers; plain mitmdump proxies /health.
         self.health_path = "/spillover/status" if addon else "/health"
 
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Healthy, and the addon that answers is this process's: another process may
+        hold the port this one failed to bind."""
+        super().wait_healthy(timeout)
+        if not self.addon:
+            return
+        deadline = time.monotonic() + timeout
+        while httpx.get(f"{self.url}/spillover/status").json().get("pid") != self.pid:
+            assert self.process is not None
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise ServerFailed(f"{self.name}: another process answers on {self.port}:\n"
+                                   + self.log_tail())  # fmt: skip
+            time.sleep(0.02)
+
     def servers_known(self, timeout: float = 30) -> dict[str, Any]:
         """Wait until the addon has asked each of its servers about itself (it does so in
         the background at start), and each fallback that answers without a key has

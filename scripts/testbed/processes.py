@@ -47,6 +47,7 @@ class ManagedProcess:
         self, port: int | None = None, log_dir: Path | None = None, host: str = "127.0.0.1"
     ) -> None:
         self.host = host
+        self._port_chosen = port is None  # (another one is tried if it is taken meanwhile)
         self.port = port or free_port(host)
         log_dir = Path(log_dir or tempfile.gettempdir())
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
@@ -69,8 +70,20 @@ class ManagedProcess:
         return None
 
     def start(self, timeout: float = 30.0):
-        self.launch()
-        self.wait_healthy(timeout)
+        """Launch and wait until healthy. A port picked here can be taken by another
+        process before the child binds it: then another port is tried, twice at most."""
+        for attempt in range(3):
+            self.launch()
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except ServerFailed:
+                taken = "already in use" in self.log_tail(40).lower()
+                if not (taken and self._port_chosen and attempt < 2):
+                    raise
+            self.stop()
+            self.port = free_port(self.host)
+            self.log_path = self.log_path.with_name(f"{self.name}-{self.port}.log")
         return self
 
     def launch(self) -> None:

@@ -11,6 +11,16 @@ from typing import Any
 
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.processes import ManagedProcess, ServerFailed
+from scripts.workers.pool import HaproxyMissing, haproxy_binary
+
+
+def haproxy_missing() -> str | None:
+    """Why the workers cannot run here (no HAProxy), for a test's skip; None if they can."""
+    try:
+        haproxy_binary()
+    except HaproxyMissing as why:
+        return str(why)
+    return None
 
 
 class SpilloverWorkers(ManagedProcess):
