@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import httpx
+import pytest
+
+from scripts.testbed.prompts import chat_body
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
@@ -53,3 +61,43 @@ def test_the_handoff_timeline_is_drawn_from_a_real_run(tmp_path: Path) -> None:
     assert "card0: +5 GB used" in said and "handoff note" in said
     assert re.search(r"pause before the fallback's first token: \d+\.\d ms", said)
     assert "memory pressure on drm:card0" in run.stdout
+
+
+QUICK_START_PORTS = (8081, 8082, 8090)
+
+
+def test_the_quick_start_runs_as_written() -> None:
+    """The README's five lines for your own server, run by bash from the checkout: the
+    proxy on 8090 answers a question with the primary's own answer. (Skipped where
+    another program holds one of its ports.)"""
+    for port in QUICK_START_PORTS:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port}, which the quick start uses, is taken here")
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## In front of your own server\n\n```sh\n(.*?)```", text, re.S)
+    assert block is not None
+    run = subprocess.Popen(
+        ["bash", "-c", block.group(1)], cwd=REPO, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    proxy = "http://127.0.0.1:8090"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                servers = httpx.get(f"{proxy}/spillover/status").json()["servers"]
+                if servers.get("http://127.0.0.1:8082", {}).get("settled"):
+                    break  # the fallback is known to continue: the proxy is ready
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        body = {**chat_body(8), "stream": False}
+        via = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
+        direct = httpx.post("http://127.0.0.1:8081/v1/chat/completions", json=body, timeout=60)
+        assert via.status_code == 200
+        answer = via.json()["choices"][0]["message"]["content"]
+        assert answer and answer == direct.json()["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(timeout=30)
