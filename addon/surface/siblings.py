@@ -79,31 +79,30 @@ def summed(own: bytes, others: list[str]) -> bytes:
     """One exposition for all workers: counters, histograms and live answers summed;
     cards and server states as this worker reads them; creation times its own."""
     families = list(text_string_to_metric_families(own.decode()))
-    totals: dict[tuple[str, tuple], float] = {}
+    known = {family.name: family for family in families if not _own_only(family.name)}
+    samples = {(s.name, _labels(s)): (family, i) for family in known.values()
+               for i, s in enumerate(family.samples)}  # fmt: skip
     for text in others:
-        for family in text_string_to_metric_families(text):
-            if _own_only(family.name):
+        for theirs in text_string_to_metric_families(text):
+            if (family := known.get(theirs.name)) is None:
                 continue
-            for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                totals[key] = totals.get(key, 0.0) + sample.value
-    known = {family.name: family for family in families}
-    for family in families:
-        if _own_only(family.name):
-            continue
-        for i, sample in enumerate(family.samples):
-            key = (sample.name, tuple(sorted(sample.labels.items())))
-            if key in totals:
-                family.samples[i] = sample._replace(value=sample.value + totals.pop(key))
-    for text in others:  # samples only other workers have (a kind of handoff seen there)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key in totals and family.name in known:
-                    known[family.name].samples.append(sample._replace(value=totals.pop(key)))
+            for sample in theirs.samples:
+                key = (sample.name, _labels(sample))
+                if key in samples:
+                    held, i = samples[key]
+                    held.samples[i] = held.samples[i]._replace(
+                        value=held.samples[i].value + sample.value
+                    )
+                else:  # a sample only other workers have (a kind of handoff seen there)
+                    samples[key] = (family, len(family.samples))
+                    family.samples.append(sample)
     registry = CollectorRegistry()
     registry.register(_Parsed(families))
     return generate_latest(registry)
+
+
+def _labels(sample: Any) -> tuple:
+    return tuple(sorted(sample.labels.items()))
 
 
 def _own_only(name: str) -> bool:

@@ -18,7 +18,6 @@ with one process.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -30,6 +29,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from scripts.testbed.processes import _die_with_parent, free_port
 
 DRAIN_S = 600.0  # the longest a stopping worker waits for its answers to end
 CHECK_MS = 500
@@ -56,12 +57,6 @@ def haproxy_binary() -> str:
             "package), or name it in SPILLOVER_HAPROXY"
         )
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def haproxy_config(
@@ -156,21 +151,22 @@ class Workers:
         config = self._dir / "haproxy.cfg"
         config.write_text(haproxy_config(self.listen, self.ports, self.primary, self.admin_socket))
         # HAProxy first: while the workers start, clients reach the primary (its backup).
-        self.haproxy = subprocess.Popen([binary, "-f", str(config), "-db"], preexec_fn=_orphaned)
+        self.haproxy = subprocess.Popen(
+            [binary, "-f", str(config), "-db"], preexec_fn=_die_with_parent
+        )
         return self
 
     def up(self) -> int:
         """How many workers HAProxy sends requests to now."""
         try:
-            stat = self.admin("show stat")
+            return sum(1 for fields in self.worker_stats() if fields[17] == "UP")
         except OSError:
             return 0
-        names = {f"w{index}" for index in range(self.count)}
-        rows = [line.split(",") for line in stat.splitlines()]
-        return sum(1 for f in rows if len(f) > 17 and f[1] in names and f[17] == "UP")
 
     def _start_worker(self, index: int) -> None:
-        self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=_orphaned)
+        # Each child ends with the supervisor, however it ends: no worker or HAProxy is
+        # left holding the ports.
+        self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=_die_with_parent)
 
     def pids(self) -> list[int]:
         return [p.pid for p in (*self.workers, self.haproxy) if p is not None]
@@ -206,13 +202,12 @@ class Workers:
             sock.sendall(command.encode() + b"\n")
             return b"".join(iter(lambda: sock.recv(65536), b"")).decode()
 
-    def sessions(self, index: int) -> int:
-        """The connections HAProxy holds to worker `index` now."""
-        for line in self.admin("show stat").splitlines():
-            fields = line.split(",")
-            if len(fields) > 4 and fields[0] == "workers" and fields[1] == f"w{index}":
-                return int(fields[4] or 0)  # scur
-        return 0
+    def worker_stats(self) -> list[list[str]]:
+        """HAProxy's `show stat` row of each worker (field 4: its connections now, 17:
+        its state)."""
+        names = {f"w{index}" for index in range(self.count)}
+        rows = [line.split(",") for line in self.admin("show stat").splitlines()]
+        return [f for f in rows if len(f) > 17 and f[0] == "workers" and f[1] in names]
 
     def stop(self) -> None:
         """Drain every worker (no new requests; the live ones end as they would), then
@@ -223,7 +218,7 @@ class Workers:
                     self.admin(f"set server workers/w{index} state drain")
                 deadline = time.monotonic() + DRAIN_S
                 while time.monotonic() < deadline and any(
-                    self.sessions(i) for i in range(self.count)
+                    int(fields[4] or 0) for fields in self.worker_stats()
                 ):
                     time.sleep(0.2)
             except OSError as exc:
@@ -259,9 +254,3 @@ def shadow_share(extra: list[str], index: int, count: int) -> tuple[list[str], i
             continue
         kept.append(arg)
     return kept, total // count + (1 if index < total % count else 0)
-
-
-def _orphaned() -> None:
-    """In the child: end when the supervisor does, however it ends (PR_SET_PDEATHSIG),
-    so that no worker or HAProxy is left holding the ports."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
