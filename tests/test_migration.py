@@ -316,3 +316,54 @@ def test_the_policy_goes_by_the_pauses_it_measured(tmp_path: Path) -> None:
     )
     assert migrator.why_not(same, same, 50, target) is None  # 25 ms to read, 20.5 to move
     assert migrator.rates.status()["read_ms_per_token"] == {target: 0.5}
+
+
+WORKER = """
+import asyncio, sys, time
+from pathlib import Path
+from addon.handoff.migration import Migrator
+from addon.servers.upstream import Upstream
+
+async def main():
+    moved = await Migrator(Path(sys.argv[1])).move(
+        Upstream(sys.argv[2]), Upstream(sys.argv[3]), int(sys.argv[4])
+    )
+    print(moved.slot, flush=True)
+    time.sleep(600)  # holds its reservation until killed
+
+asyncio.run(main())
+"""
+
+
+def test_workers_sharing_the_slot_directory_never_restore_into_one_anothers_slot(
+    answered, slot_dir: Path
+) -> None:
+    """Two workers (`spillover run --workers`) migrating into one target: each restore
+    takes a slot no other worker holds, and a worker's reservations end with it, even
+    when it is killed."""
+    source, target, holds = answered
+    other_worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(slot_dir), source.url, target.url, str(holds)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        theirs = int(other_worker.stdout.readline())
+
+        async def ours() -> tuple[Moved, Moved, Moved]:
+            migrator = Migrator(slot_dir)
+            first = await migrator.move(source, target, holds)
+            second = await migrator.move(source, target, holds)  # both slots held now
+            other_worker.kill()
+            other_worker.wait()
+            third = await migrator.move(source, target, holds)
+            await migrator.close()
+            assert not migrator.reserved  # closing gives back what it held
+            return first, second, third
+
+        mine, none_left, after_the_kill = asyncio.run(ours())
+        assert mine.slot is not None and mine.slot != theirs, (mine, theirs)
+        assert none_left.slot is None and "no free slot" in none_left.why, none_left
+        assert after_the_kill.slot == theirs, after_the_kill
+    finally:
+        other_worker.kill()
+        other_worker.wait()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from addon.handoff.record import Moved
+from addon.handoff.slotlocks import SlotLocks
 from addon.servers.fingerprint import Fingerprint
 from addon.servers.slots import idle_slots, unused_first
 from addon.servers.upstream import Upstream
@@ -115,12 +116,27 @@ def _rounded(rates: dict[str, float]) -> dict[str, float]:
 class Migrator:
     directory: Path | None  # where both servers save slots; None: no migration
     headers: Callable[[str], dict[str, str]] = lambda _: {}
-    reserved: dict[str, set[int]] = field(default_factory=dict)  # restored, not yet used
     last: Moved | None = None  # the last migration tried
     rates: Rates = field(default_factory=Rates)
     _client: httpx.AsyncClient | None = None
     _moving: set[asyncio.Future[Moved]] = field(default_factory=set)
     _files: set[str] = field(default_factory=set)  # made by moves, not removed yet
+    _locks: SlotLocks | None = None
+
+    @property
+    def locks(self) -> SlotLocks:
+        """The slots restored and not used yet, held in the slot directory (so that
+        workers sharing it never restore into one another's)."""
+        assert self.directory is not None
+        if self._locks is None or self._locks.directory.parent != self.directory:
+            self._locks = SlotLocks(self.directory)
+        return self._locks
+
+    @property
+    def reserved(self) -> dict[str, set[int]]:
+        if self._locks is None:
+            return {}
+        return {url: set(slots) for url, slots in self._locks.held().items()}
 
     async def for_handoff(
         self, next_leg: NextLeg, servers: ServerDirectory, target: Upstream, handoff: Handoff
@@ -157,6 +173,8 @@ class Migrator:
         if self.directory is not None:
             for name in list(self._files):
                 self._remove(name)
+        if self._locks is not None:
+            self._locks.release_all()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -191,14 +209,15 @@ class Migrator:
     def status(self) -> dict[str, Any]:
         return {
             "directory": str(self.directory) if self.directory else None,
-            "reserved": {url: sorted(slots) for url, slots in self.reserved.items() if slots},
+            "reserved": self._locks.held() if self._locks else {},
             "last": self.last.as_metadata() if self.last else None,
             "rates": self.rates.status(),
         }
 
     def release(self, target: str, slot: int) -> None:
         """The continuation took (or will never take) the restored slot."""
-        self.reserved.get(target, set()).discard(slot)
+        if self._locks is not None:
+            self._locks.release(target, slot)
 
     async def move(self, source: Upstream, target: Upstream, holds: int) -> Moved:
         """Move the cut answer's state (`holds` tokens: prompt and delivered answer) from
@@ -281,15 +300,12 @@ class Migrator:
             await asyncio.sleep(0.005)
 
     async def _free_slot(self, target: Upstream) -> int:
-        """An idle slot of the target, an unused one first; reserved until released."""
-        slots = await self._slots(target)
-        taken = self.reserved.setdefault(target.url, set())  # as it is after the await
-        idle = unused_first(idle_slots(slots, taken))
-        if not idle:
-            raise MigrationFailed("the target has no free slot")
-        slot = int(idle[0]["id"])
-        taken.add(slot)
-        return slot
+        """An idle slot of the target, an unused one first, that no proxy has reserved;
+        reserved until released."""
+        for slot in unused_first(idle_slots(await self._slots(target))):
+            if self.locks.take(target.url, int(slot["id"])):
+                return int(slot["id"])
+        raise MigrationFailed("the target has no free slot")
 
     async def _slots(self, server: Upstream) -> list[dict[str, Any]]:
         response = await self.client.get(

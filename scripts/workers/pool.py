@@ -13,7 +13,8 @@ they would, and then all stop.
 What must be one across the workers (surface/siblings.py): a control request sent to
 any worker reaches all of them, and metrics are summed; the shadow budget
 (`spillover_shadow_max`) is divided among them, so the servers see no more shadows than
-with one process.
+with one process; migrations reserve restored slots by locks in the shared slot
+directory.
 """
 
 from __future__ import annotations
