@@ -17,9 +17,10 @@ if __package__ != "addon":  # loaded by `mitmdump -s` as a script file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from addon.surface.proxy import Spillover
+from addon.surface.redirect import KernelRedirect
 from addon.surface.sseview import register as register_sseview
 from addon.surface.watch import MemoryWatch
 
 register_sseview()
 spillover = Spillover()
-addons = [spillover, MemoryWatch(spillover)]
+addons = [spillover, MemoryWatch(spillover), KernelRedirect()]

@@ -3,6 +3,7 @@
     spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
     spillover run --confdir ~/.config/spillover     (options in its config.yaml)
     spillover run --primary URL --workers 4         (4 proxies behind HAProxy)
+    spillover run --primary URL --transparent       (clients keep the primary's URL)
     spillover status [--proxy URL]
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
@@ -39,10 +40,20 @@ def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     if args.confdir is not None:  # its config.yaml names the primary and the rest
         argv += ["--set", f"confdir={args.confdir}"]
     if args.primary is not None:
-        argv += [
-            "--mode", f"reverse:{args.primary.rstrip('/')}@{args.listen_host}:{args.port}",
-            "--set", f"spillover_fallbacks={args.fallbacks}",
-        ]  # fmt: skip
+        primary = args.primary.rstrip("/")
+        # The port answers whatever is done besides (the control routes, clients that
+        # name it): a transparent listener cannot, as a connection straight to it has no
+        # other destination.
+        argv += ["--mode", f"reverse:{primary}@{args.listen_host}:{args.port}"]
+        if args.transparent:  # the kernel's rules send the primary's connections here,
+            # to a port of the system's choosing on every address (they arrive at the
+            # address of the interface they came in by)
+            argv += ["--mode", "transparent@0", "--set", "spillover_redirect=true"]
+        elif args.capture:  # mitmproxy takes these programs' connections itself
+            argv += ["--mode", f"local:{args.capture}"]
+        if args.transparent or args.capture:
+            argv += ["--set", f"spillover_primary={primary}"]
+        argv += ["--set", f"spillover_fallbacks={args.fallbacks}"]
     return argv + [arg for arg in extra if arg != "--"]
 
 
@@ -71,6 +82,17 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--fallbacks", default="", help="comma-separated fallback URLs, in order")
     run.add_argument("--listen-host", default="127.0.0.1", help="where clients connect")
     run.add_argument("--port", type=int, default=8090, help="the port clients connect to")
+    taken = run.add_mutually_exclusive_group()
+    taken.add_argument(
+        "--transparent", action="store_true",
+        help="clients keep the primary's URL: the kernel sends its connections to the proxy "
+        "(mitmproxy's transparent mode, nftables rules that live as long as the proxy)",
+    )  # fmt: skip
+    taken.add_argument(
+        "--capture", metavar="PROGRAMS",
+        help="clients keep the primary's URL: mitmproxy's local capture mode takes the "
+        "connections of these programs (comma-separated names or pids)",
+    )  # fmt: skip
     run.add_argument(
         "--workers", type=int, nargs="?", default=0, const=os.cpu_count() or 1, metavar="N",
         help="run N proxies behind HAProxy (N left out: one per core); without it, one "
@@ -98,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
     if args.primary is None and args.confdir is None:
         parser.error("run needs --primary (or --confdir with a config.yaml that names it)")
+    if (args.transparent or args.capture) and (args.primary is None or args.workers):
+        parser.error("--transparent and --capture need --primary, and run one proxy "
+                     "(not --workers)")  # fmt: skip
     if args.workers:
         sys.exit(run_workers(args, extra))
     command = mitmdump_argv(args, extra)

@@ -20,6 +20,7 @@ from addon.formats.carried import SPLICED, arrives_in_pieces, recorded, spliceab
 from addon.handoff.migration import add_migration_options
 from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
+from addon.servers.addresses import same_server
 from addon.servers.credentials import Credentials, parse_keys, url_pairs
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
@@ -209,11 +210,10 @@ class Spillover:
         flow.request.headers.pop(PEER, None)  # HAProxy's word to the control routes only
         if not self.endpoint.running or (carried := spliceable(flow.request)) is None:
             return
+        if (primary := _primary_of(flow)) is None:
+            return  # taken by the transparent or local mode on its way to another server
         body, dialect = carried
         request = flow.request
-        primary = (
-            ctx.options.spillover_primary or f"{request.scheme}://{request.host}:{request.port}"
-        )
         route = self.fleet.route(Upstream(primary), dialect.upper_bound(body))
         splice = Splice(
             path=request.path,
@@ -329,3 +329,16 @@ class Spillover:
             self.live.splices(), self.fleet, self.server_urls(), self.metrics.recent(),
             self.status_parts,
         )  # fmt: skip
+
+
+def _primary_of(flow: http.HTTPFlow) -> str | None:
+    """The primary a flow's answer is carried from: spillover_primary, else where
+    mitmproxy sends it (the reverse target, or the original destination of a redirected
+    connection); None for a redirected flow whose destination is not spillover_primary."""
+    request = flow.request
+    named = ctx.options.spillover_primary.rstrip("/")
+    if not named:
+        return f"{request.scheme}://{request.host}:{request.port}"
+    if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+        return named
+    return named if same_server(named, request.host, request.port) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -107,3 +108,25 @@ def _settled(fallback: dict[str, Any]) -> bool:
     cannot (it is down, or it turns the addon away for want of a key)."""
     down = {"/props", "/v1/models"} <= set(fallback["unanswered"])
     return fallback["settled"] or down or fallback["wants_key"]
+
+
+class SpilloverRun(Mitmdump):
+    """The proxy as a user starts it: `spillover run` with its own `flags` (such as
+    --transparent), the options after `--`."""
+
+    def __init__(self, primary: str, fallbacks: Sequence[str], flags: Sequence[str], **kwargs):
+        super().__init__(primary, fallbacks, **kwargs)
+        self.flags = list(flags)
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary,
+            "--fallbacks", ",".join(self.fallbacks), "--port", str(self.port), *self.flags,
+            "--", "--set", "flow_detail=0",
+        ]  # fmt: skip
+        for option in self.options:
+            argv += ["--set", option]
+        return argv
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(REPO)}  # `-m scripts.cli` from any directory
