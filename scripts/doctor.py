@@ -7,7 +7,8 @@ Memory sources and the cards they see with the pressure lines in force on each, 
 hotplug events this machine will signal, which card each server sits on, with
 `--slot-dir` (as spillover_slot_dir) which servers an answer can move between with its
 KV state and why not, with `--prometheus` the cards of other hosts and whether their
-readings are fresh, and the llama-server the test bed would use.
+readings are fresh, whether clients can be taken without changing them (`spillover run
+--transparent`, `--capture`) and why not, and the llama-server the test bed would use.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from addon.servers.directory import ServerDirectory
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
+from scripts.capture import local_capture_why_not, transparent_why_not
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -247,6 +249,13 @@ def main() -> None:
             print(f"\nKV migration (slots saved in {args.slot_dir})")
             for line in migration_lines(servers, args.slot_dir):
                 print("  " + line)
+
+    print("\nclients that change nothing (spillover run --transparent, --capture PROGRAMS)")
+    for flag, why in (
+        ("--transparent", transparent_why_not()),
+        ("--capture", local_capture_why_not()),
+    ):
+        print(f"  {MISSING}{flag}: {why}" if why else f"  {OK}{flag}: this machine can")
 
     print("\nllama-server for the demo and tests")
     from scripts.testbed.llamaserver import BinaryNotFound, find_binary

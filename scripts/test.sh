@@ -3,31 +3,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# The mitmweb screenshot test drives a real browser: Debian's chromium (playwright's own
-# browser download needs the internet). Installed when we may; otherwise that test skips.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "test: installing chromium for the mitmweb screenshot test"
-    apt-get install -y -q chromium fonts-noto-color-emoji >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q chromium fonts-noto-color-emoji >/dev/null; } \
-        || echo "test: could not install chromium: the mitmweb test skips (and fails on CI)" >&2
-fi
-
-# The live view's test drives scripts.watch in a real tmux.
-if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "test: installing tmux for the live view test"
-    apt-get install -y -q tmux >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q tmux >/dev/null; } \
-        || echo "test: could not install tmux: the live view test skips" >&2
-fi
-
-# The workers' tests run HAProxy, Debian's package, in front of the proxies.
-if ! command -v haproxy >/dev/null 2>&1 && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)" = 0 ] \
-    && command -v apt-get >/dev/null; then
-    echo "test: installing haproxy for the workers' tests"
-    apt-get install -y -q haproxy >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q haproxy >/dev/null; } \
-        || echo "test: could not install haproxy: the workers' tests skip" >&2
-fi
+# Debian packages some tests run, installed when we may (root, apt-get); otherwise those
+# tests skip and say so (and fail on CI, which runs as root).
+install() {  # PROGRAM PACKAGES... : install PACKAGES unless PROGRAM is found
+    local program=$1; shift
+    if command -v "$program" >/dev/null 2>&1 || [ -x "/usr/sbin/$program" ] \
+        || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        return 0
+    fi
+    echo "test: installing $*"
+    apt-get install -y -q "$@" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "$@" >/dev/null; } \
+        || echo "test: could not install $*: the tests that need them skip" >&2
+}
+# The mitmweb screenshot test drives a real browser (playwright's own download needs the
+# internet); the live view's test drives scripts.watch in a real tmux; the workers' tests
+# run HAProxy in front of the proxies; the transparent mode's test adds nftables rules
+# (in network namespaces it makes) and streams with curl; local capture elevates by sudo.
+install chromium chromium fonts-noto-color-emoji
+install tmux tmux
+install haproxy haproxy
+install nft nftables
+install curl curl
+install sudo sudo
 
 # Most tests wait on real servers, so they run in parallel: one worker per core and one
 # more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.capture import CGROUP_ROOT, cgroup2_mount
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, write_meminfo
 
@@ -63,3 +64,18 @@ def test_doctor_warns_of_small_fallback_slots_and_names_a_proxy(
     ) in out
     assert f"--  {proxy.url}: a spillover proxy, not a server: give the servers behind it" in out
     assert "none given" in doctor("--sysfs-root", "/nonexistent")
+
+
+def test_the_cgroup_v2_hierarchy_is_found_where_it_is_mounted(tmp_path: Path) -> None:
+    """(Where mitmproxy's local capture looks for it, and the doctor with it.)"""
+    mounts = tmp_path / "mounts"
+    hybrid = (
+        "cgroup /sys/fs/cgroup/cpu cgroup rw 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n"
+    )
+    for text, found in (
+        (hybrid, "/sys/fs/cgroup/unified"),
+        ("cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\n", CGROUP_ROOT),
+        ("proc /proc proc rw 0 0\n", None),
+    ):
+        mounts.write_text(text)
+        assert cgroup2_mount(mounts) == found

@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from addon.surface.nftables import owner_tables_work
+from scripts.capture import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
 from scripts.testbed import netns
-from scripts.testbed.mitm import SpilloverRun
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, Netns
 from scripts.testbed.prompts import chat_body
 from tests.conftest import SHADOW_OFF
@@ -44,6 +50,21 @@ def _why_skip() -> str | None:
 pytestmark = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "")
 
 
+def asking_handoff(control: httpx.Client, proxy: SpilloverRun, primary: LlamaServer):
+    """`on_chunk` for a stream: ask the proxy for a handoff at the `chunks`-th chunk."""
+
+    def handoff_at(chunks: int):
+        def on_chunk(n: int) -> None:
+            if n == chunks:
+                with held(primary):
+                    reply = control.post(f"{proxy.url}/spillover/handoff", json={})
+                    assert reply.json()["handed_off"] == 1, reply.text
+
+        return on_chunk
+
+    return handoff_at
+
+
 @pytest.fixture
 def sides() -> Iterator[tuple[Netns, Netns]]:
     server, client = Netns.pair()
@@ -52,21 +73,21 @@ def sides() -> Iterator[tuple[Netns, Netns]]:
     client.delete()
 
 
-def curl_stream(command: list[str], url: str, on_chunk) -> RawStream:
+def curl_stream(command: list[str], url: str, on_chunk, curl: str = "curl") -> RawStream:
     """Stream a chat completion with curl (started by `command`: a namespace, a user)."""
     body = json.dumps(chat_body(MAX_TOKENS))
-    curl = subprocess.Popen(
-        [*command, "curl", "-sSN", "--max-time", "60", "-H", "content-type: application/json",
+    client = subprocess.Popen(
+        [*command, curl, "-sSN", "--max-time", "60", "-H", "content-type: application/json",
          "-d", body, f"{url}/v1/chat/completions"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     stream = RawStream()
-    assert curl.stdout is not None
-    for line in curl.stdout:
+    assert client.stdout is not None
+    for line in client.stdout:
         record(stream, line.rstrip("\n"))
         if line.startswith("data: {"):
             on_chunk(len(stream.chunks))
-    assert curl.wait() == 0, curl.stderr.read() if curl.stderr else ""
+    assert client.wait() == 0, client.stderr.read() if client.stderr else ""
     stream.status = 200
     return stream
 
@@ -87,15 +108,7 @@ def test_clients_that_keep_the_servers_url_get_a_handed_off_answer_until_the_pro
         ).start()  # fmt: skip
         control = httpx.Client()
 
-        def handoff_at(chunks: int):
-            def on_chunk(n: int) -> None:
-                if n == chunks:
-                    with held(primary):
-                        reply = control.post(f"{proxy.url}/spillover/handoff", json={})
-                        assert reply.json()["handed_off"] == 1, reply.text
-
-            return on_chunk
-
+        handoff_at = asking_handoff(control, proxy, primary)
         assert f"tcp dport {primary.port} redirect to :" in server_side.nft_ruleset()
         for client in (from_container, as_other_user):
             stream = curl_stream(client, server_url, handoff_at(30))
@@ -124,3 +137,83 @@ def test_clients_that_keep_the_servers_url_get_a_handed_off_answer_until_the_pro
             assert stream.done == 1 and len(stream.segments) == 1
         proxy.stop()
         control.close()
+
+
+def _why_no_local_capture() -> str | None:
+    """Why mitmproxy's local capture cannot run here, even in a mount namespace of the
+    test's with the cgroup v2 hierarchy where its redirector looks for it."""
+    why = local_capture_why_not()
+    return None if why is None or (why.startswith("the redirector") and cgroup2_mount()) else why
+
+
+@pytest.mark.skipif(bool(_why_no_local_capture()), reason=_why_no_local_capture() or "")
+def test_local_capture_takes_a_named_programs_connections_until_the_proxy_goes(
+    sides, start_server, server_logs, tmp_path
+) -> None:
+    """`spillover run --capture PROGRAM`: mitmproxy's local mode takes the connections of
+    that program only, whichever user runs it (here the proxy's own, which the transparent
+    mode's rules must exempt). The program is a copy of curl under a name of this test's:
+    the redirector's eBPF programs see every process of the machine by name."""
+    server_side, _ = sides
+    program = tmp_path / f"spc{secrets.token_hex(4)}"
+    shutil.copy(shutil.which("curl") or "/usr/bin/curl", program)
+    # On a hybrid cgroup layout the v2 hierarchy is elsewhere: the proxy gets a mount
+    # namespace of its own with it where the redirector looks (the doctor says so).
+    prefix = [] if cgroup2_mount() == CGROUP_ROOT else [
+        "unshare", "--mount", "sh", "-c",
+        f'mount -t cgroup2 none {CGROUP_ROOT} && exec "$0" "$@"',
+    ]  # fmt: skip
+    with server_side.inside():
+        primary = start_server("primary")
+        fallback = start_server("fallback")
+        proxy = SpilloverRun(
+            primary.url, [fallback.url], ["--capture", program.name], prefix=prefix,
+            log_dir=server_logs, options=SHADOW_OFF,
+        ).start()  # fmt: skip
+        control = httpx.Client()
+        stream = curl_stream([], primary.url, asking_handoff(control, proxy, primary)(30),
+                             curl=str(program))  # fmt: skip
+        assert_one_clean_stream(stream)
+        assert len(stream.segments) == 2, stream.notes
+        assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
+        # Another program's connections are its own: the proxy never sees them.
+        connections = proxy.log_path.read_text().count("client connect")
+        assert connections > 0  # the program's own, taken
+        stream = curl_stream([], primary.url, lambda n: None)
+        assert stream.done == 1 and not stream.notes
+        assert proxy.log_path.read_text().count("client connect") == connections
+
+        # Killed, the proxy takes its redirector along: the program reaches the server.
+        os.kill(proxy.pid, signal.SIGKILL)
+        proxy.process.wait()
+        deadline = time.monotonic() + 10
+        while redirectors() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not redirectors()
+        stream = curl_stream([], primary.url, lambda n: None, curl=str(program))
+        assert stream.done == 1 and not stream.notes
+        proxy.stop()
+        control.close()
+
+
+def redirectors() -> list[str]:
+    found = subprocess.run(["pgrep", "-f", "mitmproxy-linux-redirector"], capture_output=True)
+    return found.stdout.decode().split()
+
+
+def doctor_line(prefix: list[str], flag: str) -> str:
+    out = subprocess.run(
+        [*prefix, sys.executable, "-m", "scripts.doctor", "--proc-root", "/nonexistent"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return next(line.strip() for line in out.splitlines() if line.strip()[4:].startswith(flag))
+
+
+def test_the_doctor_says_what_the_tests_above_found() -> None:
+    """Its word on --transparent is what the first test met (it ran: this module is
+    skipped otherwise), and without CAP_NET_ADMIN it names the capability."""
+    assert doctor_line([], "--transparent") == "ok  --transparent: this machine can"
+    without = ["setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin"]
+    assert "needs CAP_NET_ADMIN" in doctor_line(without, "--transparent")
+    capture = doctor_line([], "--capture")
+    assert capture.startswith("ok  ") == (local_capture_why_not() is None), capture

@@ -112,15 +112,23 @@ def _settled(fallback: dict[str, Any]) -> bool:
 
 class SpilloverRun(Mitmdump):
     """The proxy as a user starts it: `spillover run` with its own `flags` (such as
-    --transparent), the options after `--`."""
+    --transparent), the options after `--`; `prefix` runs it (as `unshare ...`)."""
 
-    def __init__(self, primary: str, fallbacks: Sequence[str], flags: Sequence[str], **kwargs):
+    def __init__(
+        self,
+        primary: str,
+        fallbacks: Sequence[str],
+        flags: Sequence[str],
+        prefix: Sequence[str] = (),
+        **kwargs,
+    ):
         super().__init__(primary, fallbacks, **kwargs)
         self.flags = list(flags)
+        self.prefix = list(prefix)
 
     def argv(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary,
+            *self.prefix, sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary,
             "--fallbacks", ",".join(self.fallbacks), "--port", str(self.port), *self.flags,
             "--", "--set", "flow_detail=0",
         ]  # fmt: skip
