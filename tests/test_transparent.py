@@ -34,7 +34,13 @@ from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, Netns
 from scripts.testbed.prompts import chat_body
 from tests.conftest import SHADOW_OFF
-from tests.streams import RawStream, assert_exact_splice, assert_one_clean_stream, record
+from tests.streams import (
+    RawStream,
+    assert_exact_splice,
+    assert_one_clean_stream,
+    direct_text,
+    record,
+)
 from tests.test_splice import held
 
 MAX_TOKENS = 120
@@ -176,6 +182,11 @@ def test_local_capture_takes_a_named_programs_connections_until_the_proxy_goes(
         assert_one_clean_stream(stream)
         assert len(stream.segments) == 2, stream.notes
         assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
+        # The program's requests to another server are taken too, and pass untouched:
+        # the answer is that server's, not one carried from the primary.
+        stream = curl_stream([], fallback.url, lambda n: None, curl=str(program))
+        assert not stream.notes
+        assert "".join(stream.segments) == direct_text(fallback.url, MAX_TOKENS)
         # Another program's connections are its own: the proxy never sees them.
         connections = proxy.log_path.read_text().count("client connect")
         assert connections > 0  # the program's own, taken
