@@ -4,6 +4,7 @@ what a person sees is read off the screen. Skipped only where tmux is not instal
 
 from __future__ import annotations
 
+import html
 import shutil
 import subprocess
 import sys
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts.termshot import COLOURS, svg_of_screen
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import REPO, watch_sysfs
 from scripts.watch import handoff_lines
+from tests.docpictures import keep_for_docs
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 from tests.test_splice import handoff, held
 
@@ -30,9 +33,9 @@ class Tmux:
             check=True, cwd=REPO,
         )  # fmt: skip
 
-    def screen(self) -> str:
+    def screen(self, colours: bool = False) -> str:
         return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", self.name],
+            ["tmux", "capture-pane", "-p", *(["-e"] if colours else []), "-t", self.name],
             check=True, capture_output=True, text=True,
         ).stdout  # fmt: skip
 
@@ -88,6 +91,12 @@ def test_the_view_shows_cards_servers_a_live_answer_and_its_handoff(
         )
         (row,) = [line for line in screen.splitlines() if f"-> {fallback.url}" in line]
         assert "requested" in row and "pause" in row and " ms" in row, row
+        # The manual's picture of the view is this screen, colours and all.
+        picture = tmp_path / "live-view.svg"
+        picture.write_text(svg_of_screen(view.screen(colours=True)))
+        drawn = picture.read_text()
+        assert html.escape(row.strip()) in drawn and f'fill="{COLOURS[32]}"' in drawn
+        keep_for_docs(picture, "live-view.svg")
 
         subprocess.run(["tmux", "send-keys", "-t", view.name, "q"], check=True)
         deadline = time.monotonic() + 10

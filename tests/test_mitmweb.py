@@ -20,6 +20,8 @@ import pytest
 from mitmproxy import http, io
 from mitmproxy.utils.emoji import emoji
 
+from tests.docpictures import keep_for_docs
+
 REPO = Path(__file__).resolve().parent.parent
 MITMWEB = Path(sys.executable).parent / "mitmweb"
 PASSWORD = "spillover-test"
@@ -181,6 +183,7 @@ def test_spliced_flow_in_mitmweb(tmp_path: Path) -> None:
 
             rendered()  # chosen automatically: the addon's flows carry metadata["spillover"]
             shot("response-auto")
+            keep_for_docs(shots[-1], "mitmweb-spliced-flow.png")
 
             choose("raw")  # the raw stream carries the handoff as an SSE comment
             expect(title).to_have_text("Raw")
