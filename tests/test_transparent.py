@@ -13,6 +13,7 @@ own user is exempt there, so the proxy still reaches the server).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -32,6 +33,7 @@ from scripts.testbed import netns
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, Netns
+from scripts.testbed.processes import ServerFailed
 from scripts.testbed.prompts import chat_body
 from tests.conftest import SHADOW_OFF
 from tests.streams import (
@@ -228,3 +230,23 @@ def test_the_doctor_says_what_the_tests_above_found() -> None:
     assert "needs CAP_NET_ADMIN" in doctor_line(without, "--transparent")
     capture = doctor_line([], "--capture")
     assert capture.startswith("ok  ") == (local_capture_why_not() is None), capture
+
+
+def test_rules_that_cannot_be_added_stop_the_proxy_with_the_reason_and_leave_nothing(
+    sides, start_server, server_logs
+) -> None:
+    server_side, _ = sides
+    without = ["setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin"]
+    with server_side.inside():
+        primary = start_server("primary", host=SERVER_ADDRESS)
+        proxy = SpilloverRun(
+            primary.url, [], ["--transparent"], prefix=without, log_dir=server_logs,
+            options=SHADOW_OFF,
+        )  # fmt: skip
+        # Its status route may answer while the rules are being added: then it ends.
+        with contextlib.suppress(ServerFailed):
+            proxy.start()
+        assert proxy.process is not None and proxy.process.wait(timeout=30) != 0
+        said = proxy.log_path.read_text()
+        assert "no redirect, so not started: " in said and "Operation not permitted" in said
+        assert "spillover" not in server_side.nft_ruleset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -61,12 +62,16 @@ class Mitmdump(ManagedProcess):
         if self.health_path != "/spillover/status":
             return  # plain mitmdump, or a proxy whose control routes are closed to tests
         deadline = time.monotonic() + timeout
-        while httpx.get(f"{self.url}/spillover/status").json().get("pid") != self.pid:
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/spillover/status").json().get("pid") == self.pid:
+                    return
             assert self.process is not None
             if self.process.poll() is not None or time.monotonic() > deadline:
+                ended = self.process.poll() is not None
                 self.stop()
-                raise ServerFailed(f"{self.name}: another process answers on {self.port}:\n"
-                                   + self.log_tail())  # fmt: skip
+                why = "ended" if ended else f"another process answers on {self.port}"
+                raise ServerFailed(f"{self.name}: {why}:\n{self.log_tail()}")
             time.sleep(0.02)
 
     def servers_known(self, timeout: float = 30) -> dict[str, Any]:
