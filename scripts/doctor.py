@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from addon.servers.directory import ServerDirectory
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
-from scripts.capture import local_capture_why_not, transparent_why_not
+from addon.surface.nftables import owner_tables_work
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.pressure import Lines
@@ -36,6 +39,8 @@ from watchers.reading import CardFailure, NotApplicable, Reading
 from watchers.sources import ALL, card_map, open_sources
 
 OK, MISSING = "ok  ", "--  "
+CAP_NET_ADMIN = 12
+CGROUP_ROOT = "/sys/fs/cgroup"
 GRANT_PERFMON = (
     "card-wide use needs CAP_PERFMON for the proxy: AmbientCapabilities=CAP_PERFMON in "
     "its systemd unit, --cap-add PERFMON for a container, or setcap cap_perfmon+ep on its "
@@ -180,6 +185,48 @@ def describe_card(reading: Reading, lines: Lines) -> str:
             f"pressure and gets no new requests; lower spillover_free_floor_mib"
         )
     return said
+
+
+# Whether clients can be taken without changing them. `--transparent`: nftables rules in
+# an owner table (addon/surface/nftables.py). `--capture`: mitmproxy's local capture mode,
+# whose Linux redirector is started through sudo (even by root) and attaches eBPF
+# programs to the cgroup v2 hierarchy at /sys/fs/cgroup.
+
+
+def transparent_why_not() -> str | None:
+    if not _has_capability(CAP_NET_ADMIN):
+        return "needs CAP_NET_ADMIN (root, or AmbientCapabilities=CAP_NET_ADMIN in its unit)"
+    return owner_tables_work()
+
+
+def local_capture_why_not() -> str | None:
+    if importlib.util.find_spec("mitmproxy_linux") is None:
+        return "mitmproxy's Linux redirector (the mitmproxy_linux package) is not installed"
+    if os.geteuid() != 0:
+        return "needs root (mitmproxy starts its redirector through sudo)"
+    if shutil.which("sudo") is None:
+        return "needs sudo: mitmproxy starts its redirector through it, even as root"
+    if (where := cgroup2_mount()) != CGROUP_ROOT:
+        found = f"it is mounted at {where} (a hybrid layout)" if where else "none is mounted"
+        return (
+            f"the redirector attaches to the cgroup v2 hierarchy at {CGROUP_ROOT}, and {found}; "
+            "a unified layout (systemd.unified_cgroup_hierarchy=1) provides it"
+        )
+    return None
+
+
+def cgroup2_mount(mounts: Path = Path("/proc/self/mounts")) -> str | None:
+    """Where the cgroup v2 hierarchy is mounted (the mount at /sys/fs/cgroup first)."""
+    found = [line.split()[1] for line in mounts.read_text().splitlines()
+             if len(line.split()) > 2 and line.split()[2] == "cgroup2"]  # fmt: skip
+    return CGROUP_ROOT if CGROUP_ROOT in found else (found[0] if found else None)
+
+
+def _has_capability(bit: int) -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
 
 
 def main() -> None:

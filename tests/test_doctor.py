@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.capture import CGROUP_ROOT, cgroup2_mount
+from scripts.doctor import CGROUP_ROOT, cgroup2_mount
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, write_meminfo
 

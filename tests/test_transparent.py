@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from addon.surface.nftables import owner_tables_work
-from scripts.capture import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
+from scripts.doctor import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
 from scripts.testbed import netns
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun
