@@ -250,3 +250,28 @@ def test_rules_that_cannot_be_added_stop_the_proxy_with_the_reason_and_leave_not
         said = proxy.log_path.read_text()
         assert "no redirect, so not started: " in said and "Operation not permitted" in said
         assert "spillover" not in server_side.nft_ruleset()
+
+
+HOLDER = """
+import subprocess, sys
+from addon.surface.nftables import Nftables
+nft = Nftables()
+nft.run("table inet spillover_test { flags owner\\n}\\n")
+quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+child = subprocess.Popen(["sleep", "30"], close_fds=False, **quiet)  # inherits the rest
+print(child.pid)
+"""
+
+
+def test_the_rules_go_with_the_proxys_process_even_when_a_child_of_it_lives_on(sides) -> None:
+    """The rules' owner is a netlink socket of the proxy's: one a child inherited would
+    keep them (and the clients' connections redirected to nothing) past the proxy's end."""
+    server_side, _ = sides
+    with server_side.inside():
+        said = subprocess.run(
+            [sys.executable, "-c", HOLDER], cwd=REPO, check=True, capture_output=True, text=True
+        )
+        try:
+            assert "spillover_test" not in server_side.nft_ruleset()
+        finally:
+            os.kill(int(said.stdout), signal.SIGKILL)

@@ -9,9 +9,11 @@ CAP_NET_ADMIN.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import ipaddress
+import os
 from dataclasses import dataclass
 
 from addon.servers.addresses import is_local
@@ -40,7 +42,13 @@ class Nftables:
         lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
         lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         self._lib = lib
+        before = _open_descriptors()
         self._ctx = lib.nft_ctx_new(0)
+        # Its netlink socket (the tables' owner) is made without close-on-exec: a program
+        # this process started would hold it, and the rules, past this process's end.
+        for descriptor, _ in _open_descriptors() - before:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(descriptor, False)
         lib.nft_ctx_buffer_output(self._ctx)
         lib.nft_ctx_buffer_error(self._ctx)
 
@@ -55,6 +63,15 @@ class Nftables:
         if self._ctx is not None:
             self._lib.nft_ctx_free(self._ctx)
             self._ctx = None
+
+
+def _open_descriptors() -> set[tuple[int, str]]:
+    """This process's descriptors with what each is (the listing's own is gone by then)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+    return found
 
 
 @dataclass(frozen=True)
