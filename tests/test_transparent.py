@@ -5,9 +5,9 @@ the proxy's process), and nothing is left when the proxy goes.
 Everything runs in two network namespaces the test makes (a server side, where the
 servers, the proxy and its rules live, and a client side joined to it by a veth link,
 as a container is to its host): the machine's own traffic and rules are never touched.
-The clients are unmodified curl processes that name the server's own address and port:
-one from the other namespace (its connections pass the server side's prerouting), one
-on the server side as another user (its connections pass the output hook; the proxy's
+The clients are unmodified curl processes that name the server's own address and port,
+over IPv4 and IPv6: from the other namespace (their connections pass the server side's
+prerouting hook), and on the server side as another user (the output hook; the proxy's
 own user is exempt there, so the proxy still reaches the server).
 """
 
@@ -32,8 +32,8 @@ from scripts.doctor import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
 from scripts.testbed import netns
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun
-from scripts.testbed.netns import SERVER_ADDRESS, Netns
-from scripts.testbed.processes import ServerFailed
+from scripts.testbed.netns import SERVER_ADDRESS, SERVER_ADDRESS6, Netns
+from scripts.testbed.processes import ServerFailed, free_port
 from scripts.testbed.prompts import chat_body
 from tests.conftest import SHADOW_OFF
 from tests.streams import (
@@ -107,42 +107,48 @@ def test_clients_that_keep_the_servers_url_get_a_handed_off_answer_until_the_pro
     from_container = ["ip", "netns", "exec", client_side.name]
     as_other_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     with server_side.inside():
-        primary = start_server("primary", host=SERVER_ADDRESS)
+        # The primary listens on every address of its side, both families, as a server
+        # that containers reach does; the proxy names it by one of them.
+        primary = start_server("primary", host="::", port=free_port("::"))
         fallback = start_server("fallback")
-        server_url = primary.url  # what every client names, before and after
+        named = f"http://{SERVER_ADDRESS}:{primary.port}"
+        clients = [  # (how started, the URL it names: the server's own, before and after)
+            (from_container, named),
+            (from_container, f"http://[{SERVER_ADDRESS6}]:{primary.port}"),
+            (as_other_user, named),
+            (as_other_user, f"http://[::1]:{primary.port}"),
+        ]
         proxy = SpilloverRun(
-            primary.url, [fallback.url], ["--transparent"], log_dir=server_logs,
-            options=SHADOW_OFF,
-        ).start()  # fmt: skip
+            named, [fallback.url], ["--transparent"], log_dir=server_logs, options=SHADOW_OFF
+        ).start()
         control = httpx.Client()
 
         handoff_at = asking_handoff(control, proxy, primary)
         assert f"tcp dport {primary.port} redirect to :" in server_side.nft_ruleset()
-        for client in (from_container, as_other_user):
-            stream = curl_stream(client, server_url, handoff_at(30))
+        for client, url in clients:
+            stream = curl_stream(client, url, handoff_at(30))
             assert_one_clean_stream(stream)
-            assert len(stream.segments) == 2, (client, stream.notes)
-            assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
+            assert len(stream.segments) == 2, (client, url, stream.notes)
+            assert_exact_splice(stream, named, fallback.url, MAX_TOKENS)
 
         # Stopped, the proxy leaves no rule: the same clients reach the server itself.
         proxy.stop()
         assert "spillover" not in server_side.nft_ruleset()
-        for client in (from_container, as_other_user):
-            stream = curl_stream(client, server_url, lambda n: None)
-            assert not stream.notes and stream.done == 1, stream.notes
+        for client, url in clients:
+            stream = curl_stream(client, url, lambda n: None)
+            assert not stream.notes and stream.done == 1, (url, stream.notes)
 
         # Killed, likewise: the kernel drops the rules with the proxy's process.
         proxy = SpilloverRun(
-            primary.url, [fallback.url], ["--transparent"], log_dir=server_logs,
-            options=SHADOW_OFF,
-        ).start()  # fmt: skip
+            named, [fallback.url], ["--transparent"], log_dir=server_logs, options=SHADOW_OFF
+        ).start()
         assert "spillover" in server_side.nft_ruleset()
         os.kill(proxy.pid, signal.SIGKILL)
         proxy.process.wait()
         assert "spillover" not in server_side.nft_ruleset()
-        for client in (from_container, as_other_user):
-            stream = curl_stream(client, server_url, lambda n: None)
-            assert stream.done == 1 and len(stream.segments) == 1
+        for client, url in clients:
+            stream = curl_stream(client, url, lambda n: None)
+            assert stream.done == 1 and len(stream.segments) == 1, url
         proxy.stop()
         control.close()
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 SERVER_ADDRESS, CLIENT_ADDRESS = "10.77.0.1", "10.77.0.2"
+SERVER_ADDRESS6, CLIENT_ADDRESS6 = "fd77::1", "fd77::2"
 
 
 def why_not() -> str | None:
@@ -36,7 +37,8 @@ class Netns:
 
     @classmethod
     def pair(cls) -> tuple[Netns, Netns]:
-        """A server side at SERVER_ADDRESS and a client side at CLIENT_ADDRESS."""
+        """A server side at SERVER_ADDRESS and SERVER_ADDRESS6, a client side at
+        CLIENT_ADDRESS and CLIENT_ADDRESS6."""
         tag = secrets.token_hex(3)
         server, client = cls(f"sp-srv-{tag}"), cls(f"sp-cli-{tag}")
         for side in (server, client):
@@ -44,9 +46,13 @@ class Netns:
             side.ip("link", "set", "lo", "up")
         _ip("link", "add", f"vs{tag}", "netns", server.name, "type", "veth",
             "peer", "name", f"vc{tag}", "netns", client.name)  # fmt: skip
-        for side, link, address in ((server, f"vs{tag}", SERVER_ADDRESS),
-                                    (client, f"vc{tag}", CLIENT_ADDRESS)):  # fmt: skip
+        for side, link, address, address6 in (
+            (server, f"vs{tag}", SERVER_ADDRESS, SERVER_ADDRESS6),
+            (client, f"vc{tag}", CLIENT_ADDRESS, CLIENT_ADDRESS6),
+        ):
             side.ip("addr", "add", f"{address}/24", "dev", link)
+            # nodad: usable at once, not after duplicate address detection's second
+            side.ip("-6", "addr", "add", f"{address6}/64", "dev", link, "nodad")
             side.ip("link", "set", link, "up")
         return server, client
 

@@ -26,7 +26,7 @@ class ServerFailed(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -55,7 +55,8 @@ class ManagedProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}"
 
     @property
     def pid(self) -> int:
