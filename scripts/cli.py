@@ -4,6 +4,7 @@
     spillover run --confdir ~/.config/spillover     (options in its config.yaml)
     spillover run --primary URL --workers 4         (4 proxies behind HAProxy)
     spillover run --primary URL --transparent       (clients keep the primary's URL)
+    spillover run --primary URL --transparent --workers 4
     spillover status [--proxy URL]
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
@@ -120,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
     if args.primary is None and args.confdir is None:
         parser.error("run needs --primary (or --confdir with a config.yaml that names it)")
-    if (args.transparent or args.capture) and (args.primary is None or args.workers):
-        parser.error("--transparent and --capture need --primary, and run one proxy "
-                     "(not --workers)")  # fmt: skip
+    if (args.transparent or args.capture) and args.primary is None:
+        parser.error("--transparent and --capture need --primary")
+    if args.capture and args.workers:
+        parser.error("--capture runs one proxy (not --workers)")
     if args.workers:
         sys.exit(run_workers(args, extra))
     command = mitmdump_argv(args, extra)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
-    from scripts.workers.pool import HaproxyMissing, Workers
+    from scripts.workers.pool import HaproxyMissing, RedirectFailed, Workers
 
     if args.primary is None:
         print("spillover run: --workers needs --primary", file=sys.stderr)
@@ -141,11 +143,11 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
         command += ["--set", f"confdir={args.confdir}"]
     pool = Workers(
         args.primary, args.fallbacks, args.workers, (args.listen_host, args.port),
-        command, [arg for arg in extra if arg != "--"],
+        command, [arg for arg in extra if arg != "--"], transparent=args.transparent,
     )  # fmt: skip
     try:
         pool.start()
-    except HaproxyMissing as exc:
+    except (HaproxyMissing, RedirectFailed) as exc:
         print(f"spillover run: {exc}", file=sys.stderr)
         return 2
     return pool.supervise()

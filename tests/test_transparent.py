@@ -35,6 +35,7 @@ from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, SERVER_ADDRESS6, Netns
 from scripts.testbed.processes import ServerFailed, free_port
 from scripts.testbed.prompts import chat_body
+from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.conftest import SHADOW_OFF
 from tests.streams import (
     RawStream,
@@ -58,7 +59,9 @@ def _why_skip() -> str | None:
 pytestmark = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "")
 
 
-def asking_handoff(control: httpx.Client, proxy: SpilloverRun, primary: LlamaServer):
+def asking_handoff(
+    control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, primary: LlamaServer
+):
     """`on_chunk` for a stream: ask the proxy for a handoff at the `chunks`-th chunk."""
 
     def handoff_at(chunks: int):
@@ -281,3 +284,49 @@ def test_the_rules_go_with_the_proxys_process_even_when_a_child_of_it_lives_on(s
             assert "spillover_test" not in server_side.nft_ruleset()
         finally:
             os.kill(int(said.stdout), signal.SIGKILL)
+
+
+@pytest.mark.skipif(bool(haproxy_missing()), reason=haproxy_missing() or "")
+def test_workers_behind_haproxy_take_the_redirected_clients_too(
+    sides, start_server, server_logs
+) -> None:
+    """`--transparent --workers 2`: the rules send the primary's connections to HAProxy,
+    and the supervisor holds them: stopped, it removes them; killed, it takes them
+    along."""
+    server_side, client_side = sides
+    from_container = ["ip", "netns", "exec", client_side.name]
+    with server_side.inside():
+        primary = start_server("primary", host=SERVER_ADDRESS)
+        fallback = start_server("fallback")
+
+        def workers() -> SpilloverWorkers:
+            return SpilloverWorkers(
+                primary.url, [fallback.url], flags=["--transparent"], options=SHADOW_OFF,
+                log_dir=server_logs,
+            ).start()  # fmt: skip
+
+        pool = workers()
+        control = httpx.Client()
+        try:
+            handoff = asking_handoff(control, pool, primary)(30)
+            stream = curl_stream(from_container, primary.url, handoff)
+            assert_one_clean_stream(stream)
+            assert len(stream.segments) == 2, stream.notes
+            assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
+
+            pool.stop()  # SIGTERM: the rules go first, then the workers drain
+            assert pool.process is not None and pool.process.returncode == 0
+            assert "spillover" not in server_side.nft_ruleset()
+            stream = curl_stream(from_container, primary.url, lambda n: None)
+            assert stream.done == 1 and not stream.notes
+
+            pool = workers()
+            assert "spillover" in server_side.nft_ruleset()
+            os.kill(pool.pid, signal.SIGKILL)
+            pool.process.wait()
+            assert "spillover" not in server_side.nft_ruleset()
+            stream = curl_stream(from_container, primary.url, lambda n: None)
+            assert stream.done == 1 and not stream.notes
+        finally:
+            pool.stop()
+            control.close()

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-from urllib.parse import urlsplit
 
 from mitmproxy import ctx
 from mitmproxy.proxy.mode_specs import ProxyMode, TransparentMode
 
-from addon.surface.nftables import Nftables, NftablesError, Redirect
+from addon.surface.nftables import Nftables, NftablesError, redirect_to
 
 log = logging.getLogger(__name__)
 LISTEN_WAIT_S = 10
@@ -45,7 +42,9 @@ class KernelRedirect:
         if not ctx.options.spillover_redirect:
             return
         try:
-            redirect = self._planned(await _transparent_port())
+            if not ctx.options.spillover_primary:
+                raise ValueError("spillover_redirect needs spillover_primary (the server's URL)")
+            redirect = redirect_to(ctx.options.spillover_primary, await _transparent_port())
             self._nft = Nftables()
             self._nft.run(redirect.ruleset())
         except (NftablesError, ValueError, OSError) as exc:
@@ -62,20 +61,6 @@ class KernelRedirect:
         if self._nft is not None:
             self._nft.close()  # the owner table goes with the context
             self._nft = None
-
-    def _planned(self, to_port: int) -> Redirect:
-        primary = urlsplit(ctx.options.spillover_primary)
-        if not primary.hostname:
-            raise ValueError("spillover_redirect needs spillover_primary (the server's URL)")
-        port = primary.port or (443 if primary.scheme == "https" else 80)
-        address = socket.getaddrinfo(primary.hostname, port, type=socket.SOCK_STREAM)[0][4][0]
-        return Redirect(
-            table=f"spillover_{os.getpid()}",
-            address=address,
-            port=port,
-            to_port=to_port,
-            exempt_uid=os.geteuid(),
-        )
 
 
 async def _transparent_port() -> int:

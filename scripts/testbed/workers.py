@@ -34,9 +34,12 @@ class SpilloverWorkers(ManagedProcess):
         *,
         count: int = 2,
         options: Sequence[str] = (),
+        flags: Sequence[str] = (),
         log_dir: Path | None = None,
     ) -> None:
+        """`flags`: more of `spillover run`'s own (such as --transparent)."""
         super().__init__(None, log_dir)
+        self.flags = list(flags)
         self.primary = primary
         self.fallbacks = list(fallbacks)
         self.count = count
@@ -46,7 +49,7 @@ class SpilloverWorkers(ManagedProcess):
         argv = [
             sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary,
             "--fallbacks", ",".join(self.fallbacks), "--workers", str(self.count),
-            "--port", str(self.port), "--", "--set", "flow_detail=0",
+            "--port", str(self.port), *self.flags, "--", "--set", "flow_detail=0",
         ]  # fmt: skip
         for option in self.options:
             argv += ["--set", option]

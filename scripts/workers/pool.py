@@ -31,14 +31,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from addon.surface.nftables import Nftables, NftablesError, redirect_to
 from scripts.testbed.processes import _die_with_parent, free_port
 
 DRAIN_S = 600.0  # the longest a stopping worker waits for its answers to end
 CHECK_MS = 500
+LISTEN_WAIT_S = 10
 SHADOW_DEFAULT = 1  # the addon's spillover_shadow_max default
 
 
 class HaproxyMissing(RuntimeError):
+    pass
+
+
+class RedirectFailed(RuntimeError):
     pass
 
 
@@ -61,9 +67,16 @@ def haproxy_binary() -> str:
 
 
 def haproxy_config(
-    listen: tuple[str, int], workers: Sequence[int], primary: str, admin_socket: Path
+    listen: tuple[str, int],
+    workers: Sequence[int],
+    primary: str,
+    admin_socket: Path,
+    taken_port: int | None = None,
 ) -> str:
+    """`taken_port`: where the kernel's rules send the primary's connections (every
+    address, both families; `--transparent`)."""
     host, port = listen
+    taken = f"\n    bind :::{taken_port} v4v6" if taken_port else ""
     target = urlsplit(primary)
     backup = f"{target.hostname}:{target.port or (443 if target.scheme == 'https' else 80)}"
     servers = "\n".join(
@@ -88,7 +101,7 @@ defaults
     option http-no-delay
 
 frontend spillover
-    bind {host}:{port}
+    bind {host}:{port}{taken}
     # The control routes read the client's address from this header, set here only.
     http-request set-header x-spillover-peer %[src]
     http-request del-header x-spillover-fanned
@@ -115,9 +128,11 @@ class Workers:
         listen: tuple[str, int],
         mitmdump: list[str],
         extra: list[str],
+        transparent: bool = False,
     ) -> None:
         """`mitmdump`: the command that starts mitmdump with the addon; `extra`, what the
-        person gave it (`--set ...`)."""
+        person gave it (`--set ...`); `transparent`: the kernel sends the primary's
+        connections to HAProxy (rules this process holds: nftables.py)."""
         self.primary = primary.rstrip("/")
         self.fallbacks = fallbacks
         self.count = count
@@ -130,6 +145,8 @@ class Workers:
         self.workers: list[subprocess.Popen[bytes] | None] = [None] * count
         self.haproxy: subprocess.Popen[bytes] | None = None
         self._stopping = False
+        self.taken_port = free_port("::") if transparent else None
+        self._rules: Nftables | None = None
 
     def worker_argv(self, index: int) -> list[str]:
         siblings = ",".join(f"http://127.0.0.1:{p}" for j, p in enumerate(self.ports) if j != index)
@@ -150,12 +167,38 @@ class Workers:
         for index in range(self.count):
             self._start_worker(index)
         config = self._dir / "haproxy.cfg"
-        config.write_text(haproxy_config(self.listen, self.ports, self.primary, self.admin_socket))
+        config.write_text(
+            haproxy_config(
+                self.listen, self.ports, self.primary, self.admin_socket, self.taken_port
+            )
+        )
         # HAProxy first: while the workers start, clients reach the primary (its backup).
         self.haproxy = subprocess.Popen(
             [binary, "-f", str(config), "-db"], preexec_fn=_die_with_parent
         )
+        if self.taken_port is not None:
+            self._redirect(self.taken_port)
         return self
+
+    def _redirect(self, port: int) -> None:
+        """Once HAProxy listens on `port`, have the kernel send the primary's connections
+        there; the rules live as long as this process (or until stop)."""
+        deadline = time.monotonic() + LISTEN_WAIT_S
+        while True:
+            try:
+                socket.create_connection(("::1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.haproxy.poll() is not None:
+                    self.stop()
+                    raise RedirectFailed(f"HAProxy is not listening on {port}") from None
+                time.sleep(0.05)
+        try:
+            self._rules = Nftables()
+            self._rules.run(redirect_to(self.primary, port).ruleset())
+        except (NftablesError, ValueError, OSError) as exc:
+            self.stop()
+            raise RedirectFailed(f"no redirect, so not started: {exc}") from exc
 
     def up(self) -> int:
         """How many workers HAProxy sends requests to now."""
@@ -212,7 +255,10 @@ class Workers:
 
     def stop(self) -> None:
         """Drain every worker (no new requests; the live ones end as they would), then
-        stop them and HAProxy."""
+        stop them and HAProxy. Redirected clients reach the primary itself at once."""
+        if self._rules is not None:
+            self._rules.close()
+            self._rules = None
         if self.haproxy is not None and self.haproxy.poll() is None:
             try:
                 for index in range(self.count):
