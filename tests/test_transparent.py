@@ -62,7 +62,9 @@ pytestmark = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "")
 def asking_handoff(
     control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, primary: LlamaServer
 ):
-    """`on_chunk` for a stream: ask the proxy for a handoff at the `chunks`-th chunk."""
+    """`on_chunk` for a stream: ask the proxy for a handoff at the `chunks`-th chunk, and
+    check one answer moved. (Not test_splice's `handoff_after`: its client is shared with
+    tests outside the namespaces, and could reuse a connection opened there.)"""
 
     def handoff_at(chunks: int):
         def on_chunk(n: int) -> None:

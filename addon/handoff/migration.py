@@ -129,6 +129,8 @@ class Migrator:
         workers sharing it never restore into one another's)."""
         assert self.directory is not None
         if self._locks is None or self._locks.directory.parent != self.directory:
+            if self._locks is not None:  # the owner named another directory meanwhile
+                self._locks.release_all()
             self._locks = SlotLocks(self.directory)
         return self._locks
 

@@ -7,24 +7,27 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
+from addon.servers.upstream import Upstream
+
 
 def same_server(url: str, host: str, port: int) -> bool:
     """Whether a connection to `host`:`port` reaches the server at `url`: same port, and
     the same address or two addresses of this machine (a server listening on all of
     them is reached through any)."""
-    named = urlsplit(url)
-    if (named.port or (443 if named.scheme == "https" else 80)) != port or not named.hostname:
+    named = urlsplit(url).hostname
+    if not named or Upstream(url).port != port:
         return False
-    if named.hostname == host:
+    if named == host:
         return True
     try:
-        return is_local(_address(named.hostname)) and is_local(_address(host))
+        return is_local(address_of(named)) and is_local(address_of(host))
     except (OSError, ValueError):
         return False
 
 
 @functools.lru_cache(maxsize=64)
-def _address(host: str) -> str:
+def address_of(host: str) -> str:
+    """`host`'s first address (a name resolved once, an address as it is)."""
     return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
 
 

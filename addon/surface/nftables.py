@@ -14,11 +14,11 @@ import ctypes
 import ctypes.util
 import ipaddress
 import os
-import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from addon.servers.addresses import is_local
+from addon.servers.addresses import address_of, is_local
+from addon.servers.upstream import Upstream
 
 
 class NftablesError(RuntimeError):
@@ -115,12 +115,10 @@ class Redirect:
 def redirect_to(primary: str, to_port: int) -> Redirect:
     """The rules that send connections for the `primary` URL's address and port to this
     machine's `to_port`, sparing this process's user."""
-    target = urlsplit(primary)
-    if not target.hostname:
+    if not (host := urlsplit(primary).hostname):
         raise ValueError(f"no server named in {primary!r}")
-    port = target.port or (443 if target.scheme == "https" else 80)
-    address = socket.getaddrinfo(target.hostname, port, type=socket.SOCK_STREAM)[0][4][0]
-    return Redirect(f"spillover_{os.getpid()}", address, port, to_port, os.geteuid())
+    port = Upstream(primary).port
+    return Redirect(f"spillover_{os.getpid()}", address_of(host), port, to_port, os.geteuid())
 
 
 def owner_tables_work() -> str | None:

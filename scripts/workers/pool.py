@@ -29,8 +29,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from addon.servers.upstream import Upstream
 from addon.surface.nftables import Nftables, NftablesError, redirect_to
 from scripts.testbed.processes import _die_with_parent, free_port
 
@@ -77,12 +77,12 @@ def haproxy_config(
     address, both families; `--transparent`)."""
     host, port = listen
     taken = f"\n    bind :::{taken_port} v4v6" if taken_port else ""
-    target = urlsplit(primary)
-    backup = f"{target.hostname}:{target.port or (443 if target.scheme == 'https' else 80)}"
+    target = Upstream(primary)
+    backup = f"{target.host}:{target.port}"
     servers = "\n".join(
         f"    server w{i} 127.0.0.1:{worker} check" for i, worker in enumerate(workers)
     )
-    tls = " ssl verify none" if target.scheme == "https" else ""
+    tls = " ssl verify none" if target.tls else ""
     return f"""global
     stats socket {admin_socket} mode 600 level admin
 
