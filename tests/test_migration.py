@@ -241,7 +241,7 @@ def test_a_step_that_fails_leaves_nothing_behind(answered, slot_dir: Path) -> No
     outcomes = asyncio.run(attempts())
     for step, moved in enumerate(outcomes[:4], 1):
         assert moved.slot is None and f"injected at step {step}" in moved.why, moved
-    assert outcomes[4].slot is not None and outcomes[4].why.startswith("moved"), outcomes[4]
+    assert outcomes[4].slot is not None and outcomes[4].why.startswith("restored"), outcomes[4]
 
 
 def test_a_thousand_migrations_cancelled_anywhere_leave_no_residue(

@@ -49,5 +49,5 @@ def test_what_cannot_be_used_says_why(tmp_path: Path) -> None:
         read_template(tmp_path / "none.json")
     raising = tmp_path / "raising.json"
     raising.write_text(json.dumps({"chat_template": "{{ raise_exception('no system role') }}"}))
-    with pytest.raises(NoTemplate, match="does not render: no system role"):
+    with pytest.raises(NoTemplate, match="does not render this request: no system role"):
         read_template(raising).render(PROMPT)

@@ -91,6 +91,7 @@ class Splice:
         self._finishing = False
         self._cancelled = False
         self._notes = Notes(dialect, route.note)
+        self._tell_at_first_byte = False  # a migrated leg's note waits for its first token
         self._limits = fleet.pace
         self._pace: Pace | None = None  # the current leg's
         self._early = EarlyRefusals(fleet, self.ladder, self._rungs)
@@ -305,19 +306,35 @@ class Splice:
                 try:
                     restored = await self._carry_state(upstream)
                     handoff = self.handoffs[-1]
-                    request = await self._next.request(upstream, handoff, restored is not None)
+                    judge = self._judge(upstream, handoff) if restored is not None else None
+                    request = await self._next.request(
+                        upstream, handoff, restored is not None, judge
+                    )
                 except Exception as exc:  # one answer's odd shape must not end it unexplained
                     log.exception("cannot build the continuation for %s", upstream.url)
                     request = f"cannot build a continuation for {upstream.url}: {exc!r}"
-                self._notes.tell(client, self.handoffs)
+                if isinstance(request, str) or restored is None:
+                    self._notes.tell(client, self.handoffs)
+                else:
+                    # What the restore saved is known at its first token: told with it.
+                    self._tell_at_first_byte = True
                 if isinstance(request, str):
                     return request
                 path, body, rewriter = request
             return await self._stream_leg(client, upstream, path, body, rewriter)
         finally:
+            if self._tell_at_first_byte:  # the leg ended before its first byte
+                self._tell_at_first_byte = False
+                self._notes.tell(client, self.handoffs)
             if restored is not None:
                 # Kept from other migrations until its continuation has been answered.
                 self._fleet.migrator.release(upstream.url, restored)
+
+    def _judge(self, upstream: Upstream, handoff: Handoff) -> Callable[[dict[str, Any]], None]:
+        """What says, from the continuation's first timings, what a restore saved."""
+        moved = handoff.migration
+        assert moved is not None
+        return lambda timings: self._fleet.migrator.judge(upstream.url, moved, timings)
 
     async def _changed(self, upstream: Upstream) -> str | None:
         """Why `upstream` may no longer take this continuation: it changed since it was
@@ -444,6 +461,9 @@ class Splice:
     def _flush(self, client: ClientStream, out: list[bytes]) -> None:
         if not out:
             return
+        if self._tell_at_first_byte:
+            self._tell_at_first_byte = False
+            self._notes.tell(client, self.handoffs)
         client.write(b"".join(out))
         if self.handoffs and self.handoffs[-1].pause_ms is None:
             handoff = self.handoffs[-1]

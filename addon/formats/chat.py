@@ -30,7 +30,13 @@ from addon.formats.dialect import (
 )
 from addon.formats.sizes import bound
 from addon.formats.toolcalls import ToolCallHold, calls_chunk
-from addon.formats.transcript import Transcript, take_pieces, without_pieces
+from addon.formats.transcript import (
+    LOGPROBS_COUNTED,
+    Transcript,
+    server_count,
+    take_pieces,
+    without_pieces,
+)
 from addon.formats.wire import Header, error_event, error_text
 
 SEP = sse.TERMINATOR
@@ -86,9 +92,14 @@ class ChatReader:
             chunk = self.rewriter.rewrite(chunk)
             if chunk is None:
                 return []
-        pieces = None
+        pieces, made = None, None
         if self.strip_pieces and (changed or b'"logprobs"' in event or b'"token_ids"' in event):
             pieces = take_pieces(chunk, self.strip_pieces)
+            changed = True
+        if self.strip_pieces == LOGPROBS_COUNTED and "timings" in chunk and not ends_answer(chunk):
+            # The count the addon asked for; the last chunk's timings are the server's own.
+            made = server_count(chunk)
+            del chunk["timings"]
             changed = True
         if changed:
             event = sse.encode(chunk)
@@ -108,7 +119,7 @@ class ChatReader:
             if ready := self._calls.flush():
                 taken.append(Event(Step.FINISH, sse.encode(calls_chunk(chunk, ready)) + SEP))
             return [*taken, Event(Step.FINISH, event + SEP)]
-        return [*taken, Event(Step.SEND, event + SEP, (chunk, pieces))]
+        return [*taken, Event(Step.SEND, event + SEP, (chunk, pieces, made))]
 
     def record(self, payload: tuple[dict[str, Any], Any]) -> None:
         self.transcript.record(*payload)

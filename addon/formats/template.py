@@ -1,7 +1,10 @@
 """A model's own chat template, read from its GGUF file or its `tokenizer_config.json` and
-rendered the way transformers (and llama-cpp-python's server) render one: a sandboxed
-jinja2 environment with trimmed blocks, the model's BOS and EOS text, `raise_exception`,
-`tojson` and `strftime_now`.
+rendered the way transformers (and llama-cpp-python's server, 0.3.36) render one: a
+sandboxed jinja2 environment with trimmed blocks and loop controls, `{% generation %}`
+passed through, the model's BOS and EOS text, `raise_exception`, transformers' `tojson`
+(`ensure_ascii`, `indent`, `separators`, `sort_keys`), `strftime_now`, and the request's
+tools. The messages go to the template as the client sent them, as that engine gives
+them. Whatever goes wrong in a template is a NoTemplate, with the template's reason.
 
 A server whose chat route cannot continue a partial answer (llama-cpp-python's server
 opens a new turn after one) still continues a text completion of its own chat prompt,
@@ -22,15 +25,28 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class NoTemplate(ValueError):
-    """The file holds no chat template the addon can use; the message says why."""
+    """The file holds no chat template the addon can use, or it does not render this
+    request; the message says why."""
+
+
+class GenerationTags(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`: its body, as it is."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        parser.stream.skip(1)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 @dataclass(frozen=True)
@@ -44,33 +60,49 @@ class ChatTemplate:
     @cached_property
     def _compiled(self):
         environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTags, loopcontrols]
         )
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise
         environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return environment.from_string(self.source)
+        try:
+            return environment.from_string(self.source)
+        except TemplateError as exc:
+            raise NoTemplate(f"its template does not compile: {exc}") from None
 
-    def render(self, messages: list[Any], **kwargs: Any) -> str:
-        """The prompt for `messages`, opening the assistant's turn; `kwargs` reach the
-        template (a request's `chat_template_kwargs`). Raises NoTemplate."""
+    def render(self, messages: list[Any], tools: Any = None, **kwargs: Any) -> str:
+        """The prompt for `messages` (and `tools`, where offered), opening the
+        assistant's turn; `kwargs` reach the template. Raises NoTemplate."""
         try:
             prompt = self._compiled.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 **kwargs,
             )
-        except TemplateError as exc:
-            raise NoTemplate(f"its template does not render: {exc}") from None
+        except NoTemplate:
+            raise
+        except Exception as exc:  # a template is code: anything it raises means "cannot"
+            why = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise NoTemplate(f"its template does not render this request: {why}") from None
         if self.text_route_adds_bos and self.bos_token:
             return prompt.removeprefix(self.bos_token)
         return prompt
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+        sort_keys=sort_keys,
+    )  # fmt: skip
 
 
 def _raise(message: str) -> None:

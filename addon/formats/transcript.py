@@ -14,6 +14,9 @@ Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # takes out again before the client sees them (see handoff/exact.py).
 TOKEN_IDS = "token_ids"  # vLLM's `return_token_ids`
 LOGPROBS = "logprobs"  # llama-server's logprobs, with each token's id
+# llama-server's logprobs and, in every chunk but the last, `timings` (`timings_per_token`,
+# whose `predicted_n` is the server's own count of the tokens it generated).
+LOGPROBS_COUNTED = "logprobs+timings"
 
 
 @dataclass
@@ -42,6 +45,16 @@ class Transcript:
     vocabulary: str | None = None
     id_bytes: bytearray = field(default_factory=bytearray)
     ids_ahead: bool = False  # the last ids came without their text (vLLM holds it back)
+    # What the model wrote, byte for byte: every piece's bytes while each chunk with text
+    # brought its pieces (those bytes are the tokens' own, before the server's parser
+    # trimmed or moved any of it). Known to be whole only where the server counted the
+    # tokens it generated (`counted`): a token it sent no piece for leaves a gap, which
+    # is a character's earlier byte tokens (their bytes ride with its last one) or
+    # something the client never saw (a marker its parser kept): then `raw_lost`.
+    raw: bytearray = field(default_factory=bytearray)
+    raw_whole: bool = True
+    counted: bool = False
+    raw_lost: bool = False
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
     _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
@@ -79,6 +92,17 @@ class Transcript:
         elif vocabulary is None or vocabulary != self.vocabulary:
             self.ids = None  # the answer so far can only be replayed as text now
 
+    def raw_output(self) -> str | None:
+        """The text the model wrote, exactly, when every token of it is accounted for by
+        the server's own count (None: not known byte for byte; the delivered text is
+        then the best knowledge of it)."""
+        if not (self.counted and self.raw_whole) or self.raw_lost or len(self.legs) != 1:
+            return None
+        try:
+            return bytes(self.raw).decode()
+        except UnicodeDecodeError:
+            return None
+
     def exact_ids(self) -> list[int] | None:
         """The ids of the delivered answer, when they are known and spell exactly the
         delivered text (a token whose text a server held back fails this: fail closed)."""
@@ -107,9 +131,12 @@ class Transcript:
         self.legs[-1].completion_tokens = int(last_leg or 0)
         return sum(leg.completion_tokens for leg in self.legs)
 
-    def record(self, chunk: dict[str, Any], pieces: list[Piece] | None = None) -> None:
+    def record(
+        self, chunk: dict[str, Any], pieces: list[Piece] | None = None, made: int | None = None
+    ) -> None:
         """Account for a chat chunk that has been written to the client; `pieces` are the
-        ids behind it (taken from its logprobs when not given)."""
+        ids behind it (taken from its logprobs when not given), `made` the server's count
+        of the tokens its leg has generated (read from the chunk when not given)."""
         if self.id is None:
             self.id = chunk.get("id")
             self.created = chunk.get("created")
@@ -124,15 +151,20 @@ class Transcript:
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
         self._record_ids(chunk, pieces, self.produced - counted)
+        self._recount(chunk, pieces, server_count(chunk) if made is None else made)
 
     def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int) -> None:
         """Take the chunk's ids; `counted` tokens were counted from its deltas."""
         if pieces is None:
             pieces = take_pieces(chunk)
         if pieces is None:
-            if self.ids is not None and any(_said(c) for c in chunk.get("choices") or ()):
-                self.ids = None  # text without ids: it can only be replayed as text
+            if any(_said(c) for c in chunk.get("choices") or ()):
+                self.raw_whole = False
+                if self.ids is not None:
+                    self.ids = None  # text without ids: it can only be replayed as text
             return
+        for _, data in pieces:
+            self.raw += data
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
         # behind or holds a token's text back, llama-server's when it held text back (half
         # of a character, the start of a stop string). Its ids count them.
@@ -147,6 +179,36 @@ class Transcript:
         if pieces:
             self.ids_ahead = not any(data for _, data in pieces)
 
+    def _recount(self, chunk: dict[str, Any], pieces: list[Piece] | None, made: int | None) -> None:
+        """Correct the leg's count to the server's own, `made` (None: it gave none).
+
+        llama-server sends no chunk for a token whose text it holds (the first byte tokens
+        of a character, a marker its parser keeps from the client), and the next chunk's
+        piece has the held bytes with only the last token's id: the ids are then
+        incomplete, and where the gap is more than the chunk's characters could hide, what
+        the model wrote is not known byte for byte."""
+        if made is None or len(self.legs) != 1:
+            return
+        leg = self.legs[-1]
+        self.counted = True
+        gap = made - leg.completion_tokens
+        self.produced += gap
+        leg.completion_tokens = made
+        if gap <= 0:
+            return
+        self.ids = None
+        text = b"".join(data for _, data in pieces or ()).decode(errors="ignore")
+        if gap > sum(len(char.encode()) - 1 for char in text):
+            self.raw_lost = True
+
+
+def server_count(chunk: dict[str, Any]) -> int | None:
+    """The tokens the server says its leg has generated, where the chunk says
+    (llama-server's `timings.predicted_n`)."""
+    timings = chunk.get("timings")
+    made = timings.get("predicted_n") if isinstance(timings, dict) else None
+    return made if isinstance(made, int) and not isinstance(made, bool) else None
+
 
 def _said(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta") or {}
@@ -159,6 +221,8 @@ def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] 
     given to its first. `strip` (TOKEN_IDS or LOGPROBS) names the ones the addon asked
     for, which are removed from the chunk: the client's own stay."""
     pieces: list[Piece | None] | None = None
+    if strip == LOGPROBS_COUNTED:
+        strip = LOGPROBS
     if strip == TOKEN_IDS:
         chunk.pop("prompt_token_ids", None)
     for choice in chunk.get("choices") or ():
@@ -186,7 +250,11 @@ def without_pieces(block: bytes, strip: str) -> bytes | None:
     (vLLM's), or `logprobs` (llama-server's). The rest stays as the server wrote it.
     None where the bytes are not what they seem."""
     text = block.decode()
-    keys = ('"token_ids":', '"prompt_token_ids":') if strip == TOKEN_IDS else ('"logprobs":',)
+    keys = {
+        TOKEN_IDS: ('"token_ids":', '"prompt_token_ids":'),
+        LOGPROBS: ('"logprobs":',),
+        LOGPROBS_COUNTED: ('"logprobs":', '"timings":'),
+    }[strip]
     try:
         for key in keys:
             text = _cut(text, key)

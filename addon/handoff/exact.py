@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import constraint_of, positive_int
-from addon.formats.transcript import LOGPROBS, TOKEN_IDS
+from addon.formats.transcript import LOGPROBS_COUNTED, TOKEN_IDS
 from addon.handoff import exact_vllm
 from addon.servers.upstream import Upstream
 
@@ -55,7 +55,7 @@ def may_ask_for_ids(body: dict[str, Any]) -> bool:
     server decides about it: the client set none of the probability fields, or only
     turned them off (`logprobs: false`, a boolean `post_sampling_probs`). Any other value
     is the client's, and the server's to accept or refuse."""
-    if "top_logprobs" in body or "n_probs" in body:
+    if "top_logprobs" in body or "n_probs" in body or "timings_per_token" in body:
         return False
     if body.get("logprobs", False) is not False:
         return False
@@ -63,9 +63,13 @@ def may_ask_for_ids(body: dict[str, Any]) -> bool:
 
 
 def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
-    """The request, also asking for the id of each token it streams (cheaply: only the
-    sampled token's probability after sampling)."""
-    return {**body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
+    """The request, also asking for the id and bytes of each token it streams (cheaply:
+    only the sampled token's probability after sampling), and the server's count of the
+    tokens it generated with each chunk (which shows the tokens it sent no piece for)."""
+    return {
+        **body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True,
+        "timings_per_token": True,
+    }  # fmt: skip
 
 
 def first_leg_asks(
@@ -75,24 +79,25 @@ def first_leg_asks(
     ladder: Sequence[Upstream],
     servers: ServerDirectory | None,
 ) -> tuple[bool, str | None, bytes]:
-    """Whether the first leg asks for token ids (another server on the ladder shares its
-    tokenizer and could replay them), which of the pieces are taken out again before the
-    client sees them (TOKEN_IDS or LOGPROBS, the ones it did not ask for itself; None),
-    and the first leg's request body. Asked
-    in the first server's engine's own terms (llama-server's logprobs, vLLM's ids)."""
-    vllm = servers is not None and servers.get(ladder[0]).engine == exact_vllm.ENGINE
+    """Whether the first leg asks for its tokens' pieces, which of them are taken out
+    again before the client sees them (TOKEN_IDS, LOGPROBS or LOGPROBS_COUNTED, the ones
+    it did not ask for itself; None), and the first leg's request body. Asked in the
+    first server's engine's own terms: vLLM's ids, where another server on the ladder
+    shares its tokenizer and could replay them; llama-server's logprobs wherever another
+    server could continue, since their bytes are what the model wrote before its parser
+    trimmed or moved any of it (see Transcript.raw_output)."""
+    if servers is None or not eligible(path, body) or len(ladder) < 2:
+        return False, None, raw_body
+    engine = servers.get(ladder[0]).engine
+    vllm = engine == exact_vllm.ENGINE
     wants = exact_vllm.client_wants_ids(body) if vllm else client_wants_logprobs(body)
     may_ask = exact_vllm.may_ask_for_ids(body) if vllm else may_ask_for_ids(body)
-    asks = (
-        servers is not None
-        and eligible(path, body)
-        and (wants or may_ask)
-        and any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
-    )
+    shared = any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
+    asks = (wants or may_ask) and (shared or engine == "llama-server")
     if not asks or wants:
         return asks, None, raw_body
     asked = exact_vllm.asking_for_ids(body) if vllm else asking_for_ids(body)
-    return asks, TOKEN_IDS if vllm else LOGPROBS, json.dumps(asked).encode()
+    return asks, TOKEN_IDS if vllm else LOGPROBS_COUNTED, json.dumps(asked).encode()
 
 
 def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:
@@ -152,11 +157,16 @@ class NativeToChat:
 
 
 class NativeRewriter:
-    """A native /completion leg's events as chunks of the client's chat stream."""
+    """A native /completion leg's events as chunks of the client's chat stream;
+    `on_reading` is given the first event's timings (asked with `timings_per_token`)."""
 
     def __init__(self, chat: NativeToChat, rewriter: ChunkRewriter) -> None:
         self._chat = chat
         self._rewriter = rewriter
+        self.on_reading: Callable[[dict[str, Any]], None] | None = None
 
     def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        if self.on_reading is not None and isinstance(timings := event.get("timings"), dict):
+            self.on_reading(timings)
+            self.on_reading = None
         return self._rewriter.rewrite(self._chat.chunk(event))

@@ -122,6 +122,9 @@ class Migrator:
     _moving: set[asyncio.Future[Moved]] = field(default_factory=set)
     _files: set[str] = field(default_factory=set)  # made by moves, not removed yet
     _locks: SlotLocks | None = None
+    # Servers that read a restored answer again (their cache cannot keep a restored state:
+    # sliding-window, hybrid or recurrent models, or a restore that did nothing): why.
+    rereads: dict[str, str] = field(default_factory=dict)
 
     @property
     def locks(self) -> SlotLocks:
@@ -191,6 +194,8 @@ class Migrator:
         """Why `tokens` should not migrate between servers with these fingerprints (or
         why they have none) onto `target_url`, or None if they should: when reading them
         again is expected to be quicker, as measured (before that: when they are few)."""
+        if (reread := self.rereads.get(target_url)) is not None:
+            return reread
         for name, print_ in (("source", source), ("target", target)):
             if not isinstance(print_, Fingerprint):
                 return f"the {name} has no fingerprint ({print_ or 'not taken yet'})"
@@ -208,9 +213,31 @@ class Migrator:
             return f"only {tokens} tokens: reading them again is as quick"
         return None
 
+    def judge(self, target: str, moved: Moved, timings: dict[str, Any]) -> None:
+        """Say what a restore into `target` saved, from the continuation's first timings
+        (llama-server's `cache_n`: tokens taken from the cache, `prompt_n`: read); a
+        target that read it again gets no migration from then on."""
+        cached, read = timings.get("cache_n"), timings.get("prompt_n")
+        if not isinstance(cached, int) or not isinstance(read, int):
+            return
+        moved.reused, moved.read = cached, read
+        if not moved.read_again:
+            moved.why = f"moved {moved.tokens} tokens' KV state"
+            return
+        moved.why = (
+            f"restored {moved.tokens} tokens' KV state, but the server read them again "
+            "(no more migrations there)"
+        )
+        self.rereads[target] = (
+            f"its last restore was read again ({read} tokens read, {cached} reused: its "
+            "cache does not keep a restored state)"
+        )
+        log.warning("%s read a restored answer again: %s", target, self.rereads[target])
+
     def status(self) -> dict[str, Any]:
         return {
             "directory": str(self.directory) if self.directory else None,
+            "read_again_on": dict(self.rereads),
             "reserved": self._locks.held() if self._locks else {},
             "last": self.last.as_metadata() if self.last else None,
             "rates": self.rates.status(),
@@ -266,7 +293,8 @@ class Migrator:
             moved.restore_ms = _ms(restored, "restore_ms")
             if int(restored.get("n_restored") or 0) < holds - 1:
                 raise MigrationFailed(f"the target restored {restored.get('n_restored')} tokens")
-            moved.slot, moved.why = slot, f"moved {holds} tokens' KV state"
+            # Whether the target uses it is known only from the continuation's first token.
+            moved.slot, moved.why = slot, f"restored {holds} tokens' KV state"
         except (MigrationFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             moved.why = f"migration failed: {_why(exc)}"
         finally:

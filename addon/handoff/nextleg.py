@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from addon.formats.continuation import ChunkRewriter
+from addon.formats.continuation import ChunkRewriter, prefill_of
 from addon.formats.continuers import CONTINUERS, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
 from addon.formats.template import NoTemplate
 from addon.formats.transcript import Transcript
-from addon.handoff import exact_vllm, rendered
+from addon.handoff import exact_vllm, rendered, seen
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.servers.directory import ServerDirectory
+from addon.servers.engines import ROUTER
 from addon.servers.upstream import Upstream
 
 
@@ -58,12 +60,17 @@ class NextLeg:
         self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
 
     async def request(
-        self, upstream: Upstream, handoff: Handoff, restored: bool = False
+        self,
+        upstream: Upstream,
+        handoff: Handoff,
+        restored: bool = False,
+        on_reading: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[str, bytes, Rewriter] | str:
         """The request that continues the answer on `upstream` (path, body and how to
         rewrite its chunks), or why it cannot take it. `restored`: a slot of the server
         holds most of it (a migration's); the request names no slot, and the server's
-        own choice among idle slots finds it (see shadow.py)."""
+        own choice among idle slots finds it (see shadow.py); `on_reading` is then given
+        the timings of its first token (what it took from its cache, what it read)."""
         try:
             path, body, rewriter, handoff.replay = await self.continuation(upstream)
         except CannotContinue as why:
@@ -74,6 +81,9 @@ class NextLeg:
             return no_room
         if restored:
             body["cache_prompt"] = True
+            if on_reading is not None and isinstance(rewriter, NativeRewriter):
+                body["timings_per_token"] = True
+                rewriter.on_reading = on_reading
         return path, json.dumps(body).encode(), rewriter
 
     async def continuation(
@@ -91,14 +101,12 @@ class NextLeg:
         elif (completion := self._text_completion(upstream)) is not None:
             body, rewriter = completion
             path, replay = rendered.PATH, "text"
+        elif (truth := await self._truth_on_llama_server(upstream)) is not None:
+            path, body, rewriter = truth
+            replay = "text"
         else:
-            body = self._text_continuation(upstream)
-            info = self._servers.get(upstream) if self._servers else None
-            rewriter = self.dialect.rewriter(
-                self.transcript, body, info.echoes_prefill if info else None
-            )
-            delivered = self.transcript.content or self.transcript.reasoning
-            path, replay = self.dialect.leg_path(self.path, body), "text" if delivered else None
+            path, body, rewriter = self._chat_leg(upstream, self._text_continuation(upstream))
+            replay = "text" if self.transcript.content or self.transcript.reasoning else None
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
@@ -114,11 +122,62 @@ class NextLeg:
         if not self.transcript.content:
             return None  # nothing to continue: the chat request as it is
         template = servers.templates[upstream]
+        wrote = seen.written(self.transcript, prefill_of(self.body) or "")
         try:
-            body = rendered.completion_body(self._text_continuation(upstream), template)
+            body = rendered.completion_body(
+                self.body, self._text_continuation(upstream), template, wrote.text
+            )
         except NoTemplate as exc:
             raise CannotContinue(f"{upstream.url}: {exc}") from None
         return body, self._completion_rewriter()
+
+    async def _truth_on_llama_server(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
+        """The continuation on a llama-server (or router) of an answer with text sent,
+        checked against what the model saw and wrote (handoff/seen.py): the chat route
+        with a trailing message where the server renders exactly that, else a text
+        completion of it on its native route; None for other engines and answers with
+        nothing to continue. Raises CannotContinue where neither is shown faithful."""
+        servers = self._servers
+        if servers is None or servers.get(upstream).engine not in ("llama-server", ROUTER):
+            return None
+        if self.dialect.name != "chat" or not isinstance(self.body.get("messages"), list):
+            return None  # the other APIs' continuations go as their own dialects make them
+        if not (self.transcript.content or self.transcript.reasoning):
+            return None
+        if (truth := await self._chat_prompt(upstream)) is None:
+            raise CannotContinue(f"{upstream.url} did not render the request (/apply-template)")
+        prefill = prefill_of(self.body) or ""
+        chat = self._text_continuation(upstream)
+        if (rendering := await servers.render(upstream, chat)) is None:
+            raise CannotContinue(f"{upstream.url} did not render the continuation")
+        if self.transcript.reasoning:
+            why = seen.reasoning_parting(rendering, truth, self.transcript, prefill)
+            if why is not None:
+                raise CannotContinue(f"{upstream.url}: {why}")
+            return self._chat_leg(upstream, chat)
+        wrote = seen.written(self.transcript, prefill)
+        expected = truth + wrote.text
+        if (why := seen.parting(rendering, expected)) is None:
+            return self._chat_leg(upstream, chat)
+        if self.body.get("tools"):
+            raise CannotContinue(
+                f"{upstream.url}: {why}; and a text completion would not read tool calls"
+            )
+        body = native_body(self.body, expected, [], self.transcript.produced)
+        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
+        produced = self.transcript.produced
+        chat_chunks = NativeToChat(servers.get(upstream).model, usage, replayed=produced)
+        return "/completion", body, NativeRewriter(chat_chunks, self._plain_rewriter())
+
+    def _chat_leg(self, upstream: Upstream, chat: dict[str, Any]) -> tuple[str, dict, Rewriter]:
+        info = self._servers.get(upstream) if self._servers else None
+        rewriter = self.dialect.rewriter(
+            self.transcript, chat, info.echoes_prefill if info else None
+        )
+        return self.dialect.leg_path(self.path, chat), chat, rewriter
+
+    def _plain_rewriter(self) -> ChunkRewriter:
+        return ChunkRewriter(self.transcript, "", False)
 
     def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer's reasoning: its way of continuing
@@ -182,7 +241,7 @@ class NextLeg:
         body = native_body(self.body, prompt, ids, self.transcript.produced)
         usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(servers.get(upstream).model, include_usage=usage, replayed=len(ids))
-        return "/completion", body, NativeRewriter(chat, ChunkRewriter(self.transcript, "", False))
+        return "/completion", body, NativeRewriter(chat, self._plain_rewriter())
 
     async def _exact_on_vllm(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
         servers = self._servers
@@ -199,7 +258,7 @@ class NextLeg:
 
     def _completion_rewriter(self) -> rendered.CompletionRewriter:
         top = rendered.logprobs_asked(self.body)
-        return rendered.CompletionRewriter(ChunkRewriter(self.transcript, "", False), top)
+        return rendered.CompletionRewriter(self._plain_rewriter(), top)
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering

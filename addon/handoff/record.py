@@ -17,6 +17,10 @@ class Sensed:
     last_below: float | None
 
 
+# A restore that saved less than this share of the tokens it holds was read again.
+REUSED_AT_LEAST = 0.5
+
+
 @dataclass
 class Moved:
     """A migration's outcome, for the handoff's record."""
@@ -29,9 +33,28 @@ class Moved:
     save_ms: float | None = None
     restore_ms: float | None = None
     took_ms: float | None = None  # every step, as the answer waited
+    # What the continuation then really did, as its server timed its first token: the
+    # tokens it took from the restored cache, and those it read itself.
+    reused: int | None = None
+    read: int | None = None
+
+    @property
+    def outcome(self) -> str:
+        """ "reused", "read again" (restored, and the server read it all the same),
+        "restored" (not known which), "failed" or "not moved"."""
+        if self.slot is None:
+            return "failed" if self.why.startswith("migration failed") else "not moved"
+        if self.reused is None:
+            return "restored"
+        return "read again" if self.read_again else "reused"
+
+    @property
+    def read_again(self) -> bool:
+        return self.reused is not None and self.reused < self.tokens * REUSED_AT_LEAST
 
     def as_metadata(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        meta = {k: v for k, v in self.__dict__.items() if v is not None}
+        return meta | {"outcome": self.outcome}
 
 
 @dataclass
@@ -72,6 +95,8 @@ class Handoff:
             replay += f", {moved.why}" + (
                 f" in {moved.took_ms:.0f} ms" if moved.slot is not None else ""
             )
+            if moved.reused is not None:
+                replay += f" (the continuation reused {moved.reused} tokens, read {moved.read})"
         caveat = f"; {self.caveat}" if self.caveat else ""
         if self.detected_within_ms is not None:
             reason = f"{self.reason}, seen within {self.detected_within_ms:.0f} ms"

@@ -12,19 +12,22 @@ import copy
 from typing import Any
 
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
-from addon.formats.shape import mapping, positive_int, text_of
+from addon.formats.shape import mapping, positive_int
 from addon.formats.template import ChatTemplate
 
 PATH = "/v1/completions"
 
 
-def completion_body(continued: dict[str, Any], template: ChatTemplate) -> dict[str, Any]:
-    """The text completion that goes on from `continued`, a chat continuation whose last
-    message is the assistant's answer so far. Raises NoTemplate."""
-    *earlier, partial = continued["messages"]
-    kwargs = mapping(continued.get("chat_template_kwargs"))
-    prompt = template.render(earlier, **kwargs) + (text_of(partial.get("content")) or "")
-    return text_completion(continued, prompt, token_limit(continued))
+def completion_body(
+    original: dict[str, Any], continued: dict[str, Any], template: ChatTemplate, written: str
+) -> dict[str, Any]:
+    """The text completion that goes on from what the model wrote, `written`: the
+    template's rendering of the `original` request as llama-cpp-python's chat route
+    renders it (its messages and tools as sent; that engine takes no per-request
+    template kwargs), then `written`, with `continued`'s settings (its limits lowered).
+    Raises NoTemplate."""
+    prompt = template.render(list(original["messages"]), tools=original.get("tools"))
+    return text_completion(continued, prompt + written, token_limit(continued))
 
 
 def text_completion(

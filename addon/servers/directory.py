@@ -28,6 +28,7 @@ import httpx
 
 from addon.formats.continuation import token_limit
 from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
+from addon.formats.rendering import rendering_request
 from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
@@ -366,10 +367,12 @@ class ServerDirectory:
             return None
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
-        """The chat request's prompt as this server's template renders it."""
-        request = {"messages": body.get("messages")}
-        if kwargs := mapping(body.get("chat_template_kwargs")):
-            request["chat_template_kwargs"] = kwargs
+        """The chat request's prompt as this server's template renders it, with all of
+        the request that reaches the template (formats/rendering.py): a llama-server's own
+        `/apply-template`, a router's for the model it serves; None where it cannot say."""
+        request = rendering_request(body)
+        if self.get(upstream).engine == ROUTER:
+            request["model"] = self.own_model(upstream, body.get("model")) or body.get("model")
         try:
             prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -41,6 +41,14 @@ class Metrics:
             buckets=(0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.1, 0.25, 0.5, 1),
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "spillover_migrations",
+            "KV migrations tried at handoffs, by what the continuation then did: reused "
+            "(it read little again), read again (its server re-read the restored state), "
+            "restored (not known), failed, not moved.",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._status = status
         self.registry.register(self)
         # Each handoff as it is decided (one whose next leg failed included, as counted);
@@ -56,6 +64,8 @@ class Metrics:
                 self.detection.observe(handoff.detected_within_ms / 1000)
         else:
             self.pause.observe(handoff.pause_ms / 1000)
+            if handoff.migration is not None:
+                self.migrations.labels(handoff.migration.outcome).inc()
 
     def recent(self) -> list[dict[str, Any]]:
         return [{"at": at, **handoff.as_metadata()} for at, handoff in self._recent]
