@@ -98,16 +98,16 @@ def direct_text(server_url: str, max_tokens: int, **extra: Any) -> str:
 
 
 def continuation(server_url: str, prefill: str, max_tokens: int) -> str:
-    """What `server` writes after `prefill`, asked independently of the addon: the chat
-    template rendered by the server itself, then a raw /completion (which never echoes)."""
+    """What `server` writes after `prefill`, asked independently of the addon: what the
+    model saw (the server's own rendering of the question, its generation prompt
+    included) and `prefill` as it wrote it, as a raw /completion (which never echoes)."""
     return complete_after(server_url, prefill, max_tokens)["content"]
 
 
 def complete_after(server_url: str, prefill: str, max_tokens: int, **extra: Any) -> dict:
-    messages = [*PROMPT, {"role": "assistant", "content": prefill}] if prefill else PROMPT
-    rendered = httpx.post(f"{server_url}/apply-template", json={"messages": messages}).json()
+    rendered = httpx.post(f"{server_url}/apply-template", json={"messages": PROMPT}).json()
     body = {
-        "prompt": rendered["prompt"],
+        "prompt": rendered["prompt"] + prefill,
         "n_predict": max_tokens,
         "temperature": 0,
         "cache_prompt": False,

@@ -159,6 +159,13 @@ class NextLeg:
         expected = truth + wrote.text
         if (why := seen.parting(rendering, expected)) is None:
             return self._chat_leg(upstream, chat)
+        if wrote.exact and wrote.text != self.transcript.text.removeprefix(prefill):
+            # The primary's parser changed the text (a leading space trimmed): the
+            # trailing message may carry what the model wrote instead.
+            raw = {**chat, "messages": [*chat["messages"][:-1], dict(chat["messages"][-1])]}
+            raw["messages"][-1]["content"] = prefill + wrote.text
+            if await servers.render(upstream, raw) == expected:
+                return self._chat_leg(upstream, raw)
         if self.body.get("tools"):
             raise CannotContinue(
                 f"{upstream.url}: {why}; and a text completion would not read tool calls"

