@@ -26,7 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
+from addon.answer.fleet import Fleet
 from addon.formats.chat import Chat
+from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
 from addon.formats.transcript import Transcript
 from addon.handoff import seen
 from addon.handoff.nextleg import CannotContinue, NextLeg
@@ -195,3 +197,29 @@ def test_without_the_check_these_templates_continue_wrongly(served, monkeypatch)
         assert server is not None
         assert "wrong" in [outcome for _, _, outcome, _ in verdicts(server)], name
         server.stop()
+
+
+def test_the_start_up_proof_tells_the_two_ways_apart(served) -> None:
+    """Llama 3.1's template renders a trailing message as the model saw it; Phi-3.5's
+    closes the turn and opens another. The status says which, and only chat answers go
+    to a server whose trailing message is not the truth (there the addon sends the
+    truth itself; another API's request could not)."""
+    by_name = {template.stem: template for template in templates()}
+
+    async def proven(server: LlamaServer) -> tuple[str | None, str, bool, bool]:
+        fleet = Fleet()
+        servers = fleet.servers
+        try:
+            info = await servers.probe(Upstream(server.url), True)
+            upstream = Upstream(server.url)
+            continues = fleet.continues(upstream, "chat"), fleet.continues(upstream, "messages")
+            return info.continues_by, info.continues_why, *continues
+        finally:
+            await servers.close()
+
+    llama = asyncio.run(proven(served(by_name["meta-llama-Llama-3.1-8B-Instruct"])))
+    assert llama[0] == TRAILING_MESSAGE.name and llama[2:] == (True, True), llama
+    assert "renders what the model saw" in llama[1]
+    phi = asyncio.run(proven(served(by_name["microsoft-Phi-3.5-mini-instruct"])))
+    assert phi[0] == OWN_RENDERING.name and phi[2:] == (True, False), phi
+    assert "where the model saw" in phi[1] or "is closed" in phi[1]

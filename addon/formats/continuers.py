@@ -33,5 +33,8 @@ FINAL_MESSAGE = Continuer(
     {"continue_final_message": True, "add_generation_prompt": False},
 )
 RENDERED = Continuer("a rendered prompt on /v1/completions")  # the request is remade
+# llama-server whose template renders a trailing message otherwise than the model saw it:
+# its own rendering of the request (`/apply-template`) and the answer, on `/completion`.
+OWN_RENDERING = Continuer("a text completion of its own rendering on /completion")
 CHAT_WAYS = (TRAILING_MESSAGE, FINAL_MESSAGE)
-CONTINUERS = {way.name: way for way in (*CHAT_WAYS, RENDERED)}
+CONTINUERS = {way.name: way for way in (*CHAT_WAYS, RENDERED, OWN_RENDERING)}

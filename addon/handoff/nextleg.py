@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from addon.formats.continuation import ChunkRewriter, prefill_of
-from addon.formats.continuers import CONTINUERS, RENDERED, TRAILING_MESSAGE
+from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.shape import mapping
 from addon.formats.template import NoTemplate
@@ -18,6 +18,8 @@ from addon.handoff.record import Handoff, seeded_sampling
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import ROUTER
 from addon.servers.upstream import Upstream
+
+LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
 
 
 class CannotContinue(Exception):
@@ -188,11 +190,11 @@ class NextLeg:
 
     def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer's reasoning: its way of continuing
-        was proven on a plain answer, and only a trailing message (llama-server's) is
-        known to go on with a reasoning one (tests/test_reasoning.py)."""
+        was proven on a plain answer, and only llama-server's chat route is known to go on
+        with a reasoning one (tests/test_reasoning.py), checked for each answer."""
         info = self._servers.get(upstream) if self._servers else None
         way = info.continues_by if info else None
-        if not self.transcript.reasoning or way in (None, TRAILING_MESSAGE.name):
+        if not self.transcript.reasoning or way in (None, *LLAMA_SERVER_WAYS):
             return None
         return (
             f"{upstream.url} continues by {way}, seen to go on with plain answers only: "

@@ -240,6 +240,13 @@ class ServerDirectory:
         # Known from here on: a handoff soon after start-up may go there already. The
         # rest fills in as it is answered.
         self.info[upstream] = info
+        if info.engine in ("llama-server", ROUTER) and info.continues_by == TRAILING_MESSAGE.name:
+            try:
+                info.continues_why += await proof.shapes_rendered_open(
+                    self._asker(upstream), info.model if info.engine == ROUTER else None
+                )
+            except proof.ERRORS as exc:
+                log.info("%s: the other chat shapes were not rendered: %r", upstream.url, exc)
         try:
             info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:

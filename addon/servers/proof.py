@@ -9,8 +9,12 @@ asked to continue anything that has sent text, each way in turn; the first that 
 the server's.
 
 llama-server: its template's rendering of a chat that ends in one (`/apply-template`,
-which changes nothing; a router, as a fallback, renders with the model it serves) must
-end with the message's own text, nothing after it. Another engine, a fallback: its
+which changes nothing; a router, as a fallback, renders with the model it serves) must be
+its rendering of the chat without it, generation prompt included, followed by the
+message's text (then also asked with a system message, earlier turns, a tool call and
+content parts, for its status). Where it is not, the server still continues chat
+answers, as a text completion of its own rendering (handoff/nextleg.py, which checks
+again for each answer). Another engine, a fallback: its
 prompt, as it counts it, must grow by the message's own tokens when one is added, asked
 that way (two of different lengths: the longer by exactly the difference, so it was
 read, and neither by more, so no turn was closed after it; less is the part of the
@@ -26,7 +30,13 @@ from typing import Any
 
 import httpx
 
-from addon.formats.continuers import CHAT_WAYS, RENDERED, TRAILING_MESSAGE, Continuer
+from addon.formats.continuers import (
+    CHAT_WAYS,
+    OWN_RENDERING,
+    RENDERED,
+    TRAILING_MESSAGE,
+    Continuer,
+)
 from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate
 from addon.servers.engines import ROUTER, token_count, tokenize_request
@@ -100,17 +110,84 @@ async def continues(
     return Proof(False, "; ".join(whys))
 
 
+# The chats a llama-server's rendering is checked on besides a plain one: a system
+# message, earlier turns, a tool call and its result, content parts.
+SYSTEM = {"role": "system", "content": "Answer briefly."}
+CALLED = {
+    "role": "assistant", "content": "",
+    "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": '{"x": 1}'}}],
+}  # fmt: skip
+PROOF_CHATS = {
+    "a system message": [SYSTEM, USER],
+    "earlier turns": TWO_TURNS,
+    "a tool call": [USER, CALLED, {"role": "tool", "tool_call_id": "c1", "content": "2"}, USER],
+    "content parts": [{"role": "user", "content": [{"type": "text", "text": "Continue."}]}],
+}
+TEXT_ROUTE = "answers go on as a text completion of its own rendering of the request"
+
+
 async def _rendered_open(ask: Ask, model: str | None) -> Proof:
-    request: dict[str, Any] = {"model": model} if model else {}
-    request["messages"] = [USER, _assistant(SPACED)]
-    rendered = (await ask("/apply-template", request))["prompt"]
-    if isinstance(rendered, str) and rendered.endswith(PARTIAL):
-        why = "its template leaves a trailing assistant message open (/apply-template)"
-        return Proof(True, why + TRIMS, TRAILING_MESSAGE, trims=True)
-    if isinstance(rendered, str) and rendered.endswith(SPACED):
-        why = "its template leaves a trailing assistant message open (/apply-template)"
-        return Proof(True, why, TRAILING_MESSAGE)
-    return Proof(False, "its template closes a trailing assistant message (/apply-template)")
+    """Whether the server's template renders a chat that ends in a partial assistant
+    message as what the model saw: its rendering of the chat without it (generation
+    prompt included) followed by the message's text. Where it does not, a text
+    completion of its own rendering and the text goes on instead (handoff/nextleg.py
+    checks which holds again for each answer, and says so); where the server cannot
+    render a plain chat, it continues nothing."""
+    render = _renderer(ask, model)
+    truth = await render([USER])
+    continued = await render([USER, _assistant(SPACED)])
+    if truth is None or continued is None:
+        return Proof(False, "its /apply-template does not render a chat")
+    trims = continued == truth + PARTIAL
+    if not trims and (why := _parted(continued, truth + SPACED)) is not None:
+        return Proof(True, f"{TEXT_ROUTE} (a trailing assistant message {why})", OWN_RENDERING)
+    why = "a trailing assistant message renders what the model saw (/apply-template)"
+    return Proof(True, why + (TRIMS if trims else ""), TRAILING_MESSAGE, trims=trims)
+
+
+def _parted(rendered: str, expected: str) -> str | None:
+    """How a trailing message's rendering parts from what the model saw, for a person."""
+    if rendered == expected:
+        return None
+    if rendered.startswith(expected):
+        return f"is closed: {rendered[len(expected) :][:40]!r} follows it"
+    at = next(
+        (i for i, (a, b) in enumerate(zip(rendered, expected, strict=False)) if a != b),
+        min(len(rendered), len(expected)),
+    )
+    return f"renders {rendered[at : at + 30]!r} where the model saw {expected[at : at + 30]!r}"
+
+
+def _renderer(ask: Ask, model: str | None) -> Callable[[list[Any]], Awaitable[str | None]]:
+    named: dict[str, Any] = {"model": model} if model else {}
+
+    async def render(messages: list[Any]) -> str | None:
+        prompt = (await ask("/apply-template", {**named, "messages": messages}))["prompt"]
+        return prompt if isinstance(prompt, str) else None
+
+    return render
+
+
+async def shapes_rendered_open(ask: Ask, model: str | None) -> str:
+    """Which of the PROOF_CHATS a llama-server's trailing message renders as the model
+    saw them, and which not, for its status (asked after the proof: each answer is
+    checked again in its own shape anyway)."""
+    render = _renderer(ask, model)
+    held, failed = [], []
+    for name, chat in PROOF_CHATS.items():
+        try:
+            before, after = await render(chat), await render([*chat, _assistant(PARTIAL)])
+        except httpx.HTTPStatusError:
+            continue  # a template that cannot render the shape: requests of it are refused
+        if before is not None and after == before + PARTIAL:
+            held.append(name)
+        else:
+            failed.append(name)
+    said = f"; checked with {', '.join(held)}" if held else ""
+    if failed:
+        said += f"; not with {' or '.join(failed)} ({TEXT_ROUTE} there)"
+    return said
 
 
 Counter = Callable[[str], Awaitable[int | None]]  # a partial answer -> the prompt's tokens
