@@ -42,7 +42,7 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
     assert "--  http://127.0.0.1:9: answers neither /props nor /v1/models; is it running?" in out
     assert (
         f"ok  {primary.url}: llama-server; continues an answer, asked by a trailing "
-        "assistant message: its template leaves" in out
+        "assistant message: a trailing assistant message renders what the model saw" in out
     )
     assert "--  http://127.0.0.1:9: openai-compatible; continues no answer that sent text" in out
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from addon.answer.pace import PaceLimits
-from addon.formats.continuers import TRAILING_MESSAGE
+from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
 from addon.handoff.migration import Migrator
 from addon.handoff.shadow import Shadows
 from addon.servers.credentials import Credentials
 from addon.servers.directory import ServerDirectory
+from addon.servers.engines import ROUTER
 from addon.servers.exchange import Exchange
 from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
@@ -89,10 +90,15 @@ class Fleet:
         the message alone (continue_final_message, a rendered prompt) is chat's, proven on
         chat: another API's request cannot take it."""
         info = self.servers.get(server)
+        by_message = info.continues_by == TRAILING_MESSAGE.name or (
+            info.continues_by == OWN_RENDERING.name and info.trailing_left_open
+        )
+        # A chat answer's prompt is compared with the truth on llama-server each time.
+        checked = dialect == "chat" and info.engine in ("llama-server", ROUTER)
         return (
             info.continues is True
-            and (info.continues_by == TRAILING_MESSAGE.name or dialect == "chat")
-            and not (spaced and info.trims_whitespace)
+            and (by_message or dialect == "chat")
+            and not (spaced and info.trims_whitespace and not checked)
         )
 
     def unproven(

@@ -15,7 +15,7 @@ from addon.formats.transcript import Transcript
 from addon.handoff import exact_vllm, rendered, seen
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff.record import Handoff, seeded_sampling
-from addon.servers.directory import ServerDirectory
+from addon.servers.directory import NotRendered, ServerDirectory
 from addon.servers.engines import ROUTER
 from addon.servers.upstream import Upstream
 
@@ -146,12 +146,13 @@ class NextLeg:
             return None  # the other APIs' continuations go as their own dialects make them
         if not (self.transcript.content or self.transcript.reasoning):
             return None
-        if (truth := await self._chat_prompt(upstream)) is None:
-            raise CannotContinue(f"{upstream.url} did not render the request (/apply-template)")
-        prefill = prefill_of(self.body) or ""
-        chat = self._text_continuation(upstream)
-        if (rendering := await servers.render(upstream, chat)) is None:
-            raise CannotContinue(f"{upstream.url} did not render the continuation")
+        try:
+            truth = await self._chat_prompt_or_why(upstream)
+            prefill = prefill_of(self.body) or ""
+            chat = self._text_continuation(upstream)
+            rendering = await servers.rendering(upstream, chat)
+        except NotRendered as why:
+            raise CannotContinue(str(why)) from None
         if self.transcript.reasoning:
             why = seen.reasoning_parting(rendering, truth, self.transcript, prefill)
             if why is not None:
@@ -282,14 +283,18 @@ class NextLeg:
         return None if count is None else count + len(ids)
 
     async def _chat_prompt(self, upstream: Upstream) -> str | None:
+        """The chat prompt as `upstream` renders it (None where it cannot say)."""
+        try:
+            return await self._chat_prompt_or_why(upstream)
+        except NotRendered:
+            return None
+
+    async def _chat_prompt_or_why(self, upstream: Upstream) -> str:
         """The chat prompt as `upstream` renders it: asked once per server (the messages
-        do not change while the answer streams)."""
+        do not change while the answer streams). Raises NotRendered."""
         if upstream.url not in self._prompts:
             assert self._servers is not None
-            prompt = await self._servers.render(upstream, self.body)
-            if prompt is None:
-                return None
-            self._prompts[upstream.url] = prompt
+            self._prompts[upstream.url] = await self._servers.rendering(upstream, self.body)
         return self._prompts[upstream.url]
 
     def fits_without_asking(self, upstream: Upstream) -> bool:

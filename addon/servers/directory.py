@@ -41,6 +41,12 @@ from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
+
+
+class NotRendered(Exception):
+    """A server did not render a chat request; the message says why."""
+
+
 QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
 MARKER = "Zq7 "
 REASK_SECONDS = 5.0
@@ -232,6 +238,7 @@ class ServerDirectory:
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
                 info.trims_whitespace = found.trims
+                info.trailing_left_open = found.left_open
                 if found.template is not None:  # as its text route is to be given it
                     self.templates[upstream] = found.template
                 info.settled = True  # it answered: not asked again
@@ -374,17 +381,34 @@ class ServerDirectory:
             return None
 
     async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """`rendering`, or None where the server cannot say."""
+        try:
+            return await self.rendering(upstream, body)
+        except NotRendered:
+            return None
+
+    async def rendering(self, upstream: Upstream, body: dict[str, Any]) -> str:
         """The chat request's prompt as this server's template renders it, with all of
         the request that reaches the template (formats/rendering.py): a llama-server's own
-        `/apply-template`, a router's for the model it serves; None where it cannot say."""
+        `/apply-template`, a router's for the model it serves. Raises NotRendered."""
         request = rendering_request(body)
         if self.get(upstream).engine == ROUTER:
             request["model"] = self.own_model(upstream, body.get("model")) or body.get("model")
         try:
             prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None
-        return prompt if isinstance(prompt, str) else None
+        except httpx.ConnectError as exc:
+            raise NotRendered(f"cannot connect to {upstream.url}: {exc!r}") from None
+        except httpx.HTTPStatusError as exc:
+            said = exc.response.text[:200]
+            raise NotRendered(
+                f"{upstream.url} did not render the request (HTTP {exc.response.status_code} "
+                f"from /apply-template: {said})"
+            ) from None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise NotRendered(f"{upstream.url} did not render the request ({exc!r})") from None
+        if not isinstance(prompt, str):
+            raise NotRendered(f"{upstream.url} did not render the request (no prompt)")
+        return prompt
 
     async def _echoes(self, upstream: Upstream, model: str | None, way: Continuer) -> bool:
         body: dict[str, Any] = {"model": model} if model else {}

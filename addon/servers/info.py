@@ -35,6 +35,9 @@ class ServerInfo:
     continues_why: str = "not checked yet"
     # Its way of continuing drops an answer's trailing whitespace (proof.py).
     trims_whitespace: bool = False
+    # Its trailing message renders otherwise than the model saw, but leaves the message
+    # open (proof.py): other APIs' answers, which are not compared, may go on there.
+    trailing_left_open: bool = False
     settled: bool = False  # it answered; what is not known by now is not asked again
     asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None

@@ -62,6 +62,9 @@ class Proof:
     # It drops an answer's trailing whitespace (its template trims the message): it may
     # not continue an answer whose delivered text ends in whitespace.
     trims: bool = False
+    # llama-server whose trailing message is not the truth still leaves it open (its text
+    # last): what other APIs' continuations, which cannot be compared, are held to.
+    left_open: bool = False
 
 
 async def continues(
@@ -141,7 +144,10 @@ async def _rendered_open(ask: Ask, model: str | None) -> Proof:
         return Proof(False, "its /apply-template does not render a chat")
     trims = continued == truth + PARTIAL
     if not trims and (why := _parted(continued, truth + SPACED)) is not None:
-        return Proof(True, f"{TEXT_ROUTE} (a trailing assistant message {why})", OWN_RENDERING)
+        why = f"{TEXT_ROUTE} (a trailing assistant message {why})"
+        left_open = continued.endswith((SPACED, PARTIAL))
+        return Proof(True, why, OWN_RENDERING, trims=not continued.endswith(SPACED),
+                     left_open=left_open)  # fmt: skip
     why = "a trailing assistant message renders what the model saw (/apply-template)"
     return Proof(True, why + (TRIMS if trims else ""), TRAILING_MESSAGE, trims=trims)
 
