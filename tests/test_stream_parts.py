@@ -338,3 +338,42 @@ def test_pieces_written_another_way_are_left_to_the_parsed_way() -> None:
         without_pieces(b'data: {"choices": [{"logprobs" : {"content": []}}]}\n\n', LOGPROBS) is None
     )
     assert without_pieces(b'data: {"choices": ["logprobs":{}]}\n\n', LOGPROBS) is None
+
+
+def _counted(text: str, token: int, raw: str, made: int) -> dict:
+    """A chunk as llama-server sends it when asked for ids and its count: one logprobs
+    entry (the last token's id, every held byte), `timings.predicted_n`."""
+    chunk = _with_pieces(text, (token, raw))
+    chunk["timings"] = {"predicted_n": made}
+    return chunk
+
+
+def test_a_character_of_byte_tokens_counts_them_drops_the_ids_and_keeps_the_bytes() -> None:
+    """Gemma writes 🪿 as four byte tokens and llama-server sends one chunk for them."""
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record(_counted(" Hi", 5, " Hi", 1))
+    transcript.record(_counted("🪿", 429, "🪿", 5))
+    assert transcript.produced == 5 and transcript.legs[0].completion_tokens == 5
+    assert transcript.exact_ids() is None  # three of its ids never came
+    assert transcript.raw_output() == " Hi🪿" and not transcript.raw_lost
+
+
+def test_tokens_the_client_never_saw_leave_the_raw_output_unknown() -> None:
+    """A gap no character explains: what the model wrote is not known byte for byte."""
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record(_counted("Hi", 5, "Hi", 4))  # e.g. an empty reasoning block before it
+    assert transcript.raw_lost and transcript.unseen == 3 and transcript.raw_output() is None
+    # With stop strings the server holds text that may start one, and sends it later.
+    held = Transcript(holds_stops=True)
+    held.begin_leg("http://primary")
+    held.record(_counted("Hi there", 5, "Hi there", 3))
+    assert not held.raw_lost and held.raw_output() == "Hi there" and held.produced == 3
+
+
+def test_a_parser_trimmed_space_is_in_the_raw_output() -> None:
+    transcript = Transcript()
+    transcript.begin_leg("http://primary")
+    transcript.record(_counted("Hello", 5, " Hello", 1))
+    assert transcript.text == "Hello" and transcript.raw_output() == " Hello"

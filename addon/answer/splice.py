@@ -76,7 +76,7 @@ class Splice:
         self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
             path, body, raw_body, self.ladder, servers if fleet.exact else None
         )
-        self.transcript = Transcript()
+        self.transcript = Transcript(holds_stops=bool(body.get("stop")))
         self.handoffs: list[Handoff] = []
         self.streaming = dialect.streaming(body)
         self._next = NextLeg(path, dialect, body, self.transcript, servers, self.asks_ids)

@@ -55,6 +55,10 @@ class Transcript:
     raw_whole: bool = True
     counted: bool = False
     raw_lost: bool = False
+    unseen: int = 0  # tokens of such gaps
+    # The request has stop strings: the server holds text that may start one and sends
+    # it later with the next token's piece (a gap whose bytes all arrive).
+    holds_stops: bool = False
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
     _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
@@ -150,11 +154,14 @@ class Transcript:
             self.add(delta.get("content") or choice.get("text"), delta.get("reasoning_content"))
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
-        self._record_ids(chunk, pieces, self.produced - counted)
-        self._recount(chunk, pieces, server_count(chunk) if made is None else made)
+        pieces = self._record_ids(chunk, pieces, self.produced - counted)
+        self._recount(pieces, server_count(chunk) if made is None else made)
 
-    def _record_ids(self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int) -> None:
-        """Take the chunk's ids; `counted` tokens were counted from its deltas."""
+    def _record_ids(
+        self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int
+    ) -> list[Piece] | None:
+        """Take the chunk's ids (and say which); `counted` tokens were counted from its
+        deltas."""
         if pieces is None:
             pieces = take_pieces(chunk)
         if pieces is None:
@@ -162,7 +169,7 @@ class Transcript:
                 self.raw_whole = False
                 if self.ids is not None:
                     self.ids = None  # text without ids: it can only be replayed as text
-            return
+            return None
         for _, data in pieces:
             self.raw += data
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
@@ -172,14 +179,15 @@ class Transcript:
             self.produced += more
             self.legs[-1].completion_tokens += more
         if self.ids is None:
-            return
+            return pieces
         for token, data in pieces:
             self.ids.append(token)
             self.id_bytes += data
         if pieces:
             self.ids_ahead = not any(data for _, data in pieces)
+        return pieces
 
-    def _recount(self, chunk: dict[str, Any], pieces: list[Piece] | None, made: int | None) -> None:
+    def _recount(self, pieces: list[Piece] | None, made: int | None) -> None:
         """Correct the leg's count to the server's own, `made` (None: it gave none).
 
         llama-server sends no chunk for a token whose text it holds (the first byte tokens
@@ -198,8 +206,9 @@ class Transcript:
             return
         self.ids = None
         text = b"".join(data for _, data in pieces or ()).decode(errors="ignore")
-        if gap > sum(len(char.encode()) - 1 for char in text):
+        if not self.holds_stops and gap > sum(len(char.encode()) - 1 for char in text):
             self.raw_lost = True
+            self.unseen += gap
 
 
 def server_count(chunk: dict[str, Any]) -> int | None:

@@ -20,6 +20,10 @@ from addon.servers.engines import ROUTER
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
+UNSEEN = (
+    "the model wrote {} tokens the client never saw (what the server's parser keeps, "
+    "such as an empty reasoning block): what it wrote is not known"
+)
 
 
 class CannotContinue(Exception):
@@ -103,10 +107,12 @@ class NextLeg:
         elif (completion := self._text_completion(upstream)) is not None:
             body, rewriter = completion
             path, replay = rendered.PATH, "text"
-        elif (truth := await self._truth_on_llama_server(upstream)) is not None:
+        elif (truth := await self._checked(upstream)) is not None:
             path, body, rewriter = truth
             replay = "text"
         else:
+            if self.transcript.content and self.transcript.raw_lost:
+                raise CannotContinue(UNSEEN.format(self.transcript.unseen))
             path, body, rewriter = self._chat_leg(upstream, self._text_continuation(upstream))
             replay = "text" if self.transcript.content or self.transcript.reasoning else None
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
@@ -123,6 +129,8 @@ class NextLeg:
             return None
         if not self.transcript.content:
             return None  # nothing to continue: the chat request as it is
+        if self.transcript.raw_lost:
+            raise CannotContinue(UNSEEN.format(self.transcript.unseen))
         template = servers.templates[upstream]
         wrote = seen.written(self.transcript, prefill_of(self.body) or "")
         try:
@@ -132,6 +140,15 @@ class NextLeg:
         except NoTemplate as exc:
             raise CannotContinue(f"{upstream.url}: {exc}") from None
         return body, self._completion_rewriter()
+
+    async def _checked(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
+        """The continuation from the answer's text on an engine whose own rendering can be
+        asked for (llama-server's), checked against what the model saw and wrote; None on
+        other engines."""
+        engine = self._servers.get(upstream).engine if self._servers else None
+        if engine in ("llama-server", ROUTER):
+            return await self._truth_on_llama_server(upstream)
+        return None
 
     async def _truth_on_llama_server(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
         """The continuation on a llama-server (or router) of an answer with text sent,
@@ -158,6 +175,8 @@ class NextLeg:
             if why is not None:
                 raise CannotContinue(f"{upstream.url}: {why}")
             return self._chat_leg(upstream, chat)
+        if self.transcript.raw_lost:
+            raise CannotContinue(UNSEEN.format(self.transcript.unseen))
         wrote = seen.written(self.transcript, prefill)
         expected = truth + wrote.text
         if (why := seen.parting(rendering, expected)) is None:
