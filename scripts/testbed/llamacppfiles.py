@@ -39,8 +39,10 @@ def folder() -> Path:
                 name = parts[-1]
                 if parts[-2] == "templates" and name.endswith(".jinja"):
                     into = FOLDER / "templates" / name
-                elif parts[-2] == "models" and name.startswith("ggml-vocab-") and name.endswith(
-                    ".gguf"
+                elif (
+                    parts[-2] == "models"
+                    and name.startswith("ggml-vocab-")
+                    and name.endswith(".gguf")
                 ):
                     into = FOLDER / "vocab" / name
                 else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,7 +204,28 @@ def _quantized(writer: GGUFWriter, name: str, matrix: np.ndarray) -> None:
 def write_model(path: Path, preset: Preset) -> Path:
     family = FAMILIES[preset.family]
     tokens, scores, types, bias = build_vocab(family)
-    n_vocab, d = len(tokens), preset.n_embd
+
+    def tokenizer(writer: GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(family.specials.index(family.end_of_turn))
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(family.add_bos)
+        writer.add_add_space_prefix(False)
+        writer.add_chat_template(family.template)
+
+    return write_weights(path, preset, tokenizer, bias)
+
+
+def write_weights(
+    path: Path, preset: Preset, tokenizer: Callable[[GGUFWriter], None], bias: list[float]
+) -> Path:
+    """A llama-architecture model of `preset`'s shape and seeded noise, its tokenizer
+    written by `tokenizer`, each token's fixed logit `bias` in output column 0."""
+    n_vocab, d = len(bias), preset.n_embd
     rng = np.random.default_rng(preset.seed)
     # Dimension 0 carries the constant that turns output column 0 into a logit bias.
     bias_dim = 0
@@ -224,16 +246,7 @@ def write_model(path: Path, preset: Preset) -> Path:
     writer.add_rope_dimension_count(d // preset.n_head)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(int(GGMLQuantizationType.Q8_0))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(family.specials.index(family.end_of_turn))
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(family.add_bos)
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(family.template)
+    tokenizer(writer)
 
     embed = noise(n_vocab, d, 1.0)
     embed[:, bias_dim] = 4.0
