@@ -247,13 +247,6 @@ class ServerDirectory:
         # Known from here on: a handoff soon after start-up may go there already. The
         # rest fills in as it is answered.
         self.info[upstream] = info
-        if info.engine in ("llama-server", ROUTER) and info.continues_by == TRAILING_MESSAGE.name:
-            try:
-                info.continues_why += await proof.shapes_rendered_open(
-                    self._asker(upstream), info.model if info.engine == ROUTER else None
-                )
-            except proof.ERRORS as exc:
-                log.info("%s: the other chat shapes were not rendered: %r", upstream.url, exc)
         try:
             info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -269,6 +262,15 @@ class ServerDirectory:
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
+        if info.engine in ("llama-server", ROUTER) and info.continues_by == TRAILING_MESSAGE.name:
+            # Last: renderings take no slot, so they never share a batch with a handoff's
+            # first continuation the way a question that generates would.
+            try:
+                info.continues_why += await proof.shapes_rendered_open(
+                    self._asker(upstream), info.model if info.engine == ROUTER else None
+                )
+            except proof.ERRORS as exc:
+                log.info("%s: the other chat shapes were not rendered: %r", upstream.url, exc)
         if generate and not info.settled:
             # A fallback that could not be asked is asked again without waiting for
             # traffic: until it answers, it continues no answer.
