@@ -6,7 +6,8 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
     python -m scripts.testbed.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
 
-With "logprobs": true each chunk carries its token's id, as llama-server's do; with
+With "logprobs": true each chunk carries its token's id, as llama-server's do (and with
+"timings_per_token": true its `timings`); with
 "big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
 It also
 answers the questions the addon asks a server at start (/props, /v1/models, /tokenize,
@@ -34,7 +35,7 @@ ABOUT = {
 }
 
 
-def chunk(index: int, finish: str | None = None, ids: bool = False) -> bytes:
+def chunk(index: int, finish: str | None = None, ids: bool = False, timed: bool = False) -> bytes:
     choice: dict = {
         "finish_reason": finish,
         "index": 0,
@@ -52,6 +53,13 @@ def chunk(index: int, finish: str | None = None, ids: bool = False) -> bytes:
         "object": "chat.completion.chunk",
         "sent_ns": time.perf_counter_ns(),
     }
+    if timed and not finish:  # llama-server's timings_per_token, its fields as it writes them
+        payload["timings"] = {
+            "cache_n": 0, "prompt_n": 3, "prompt_ms": 1.5, "prompt_per_token_ms": 0.5,
+            "prompt_per_second": 2000.0, "predicted_n": index + 1,
+            "predicted_ms": 1.5 * (index + 1), "predicted_per_token_ms": 1.5,
+            "predicted_per_second": 666.7,
+        }  # fmt: skip
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -93,6 +101,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 respond(writer, served if path == "/bench/requests" else ABOUT.get(path, "ok"))
                 continue
             ids = body.get("logprobs") is True
+            timed = body.get("timings_per_token") is True
             served["streams"] += 1
             served["with_ids"] += ids
             count = int(body.get("max_tokens", 1000))
@@ -104,14 +113,16 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 # On a schedule, as a decode step writes (a late event does not delay the next).
                 start = time.monotonic()
                 for i in range(count):
-                    writer.write(framed(chunk(i, ids=ids)))
+                    writer.write(framed(chunk(i, ids=ids, timed=timed)))
                     await writer.drain()
                     await asyncio.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
             else:
                 for start in range(0, count, BATCH):
                     end = min(count, start + BATCH)
                     # One HTTP chunk per event, as llama-server sends them.
-                    writer.write(b"".join(framed(chunk(i, ids=ids)) for i in range(start, end)))
+                    writer.write(
+                        b"".join(framed(chunk(i, ids=ids, timed=timed)) for i in range(start, end))
+                    )
                     await writer.drain()
             tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
             writer.write(framed(tail) + b"0\r\n\r\n")
