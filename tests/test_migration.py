@@ -129,7 +129,9 @@ def test_a_model_of_the_same_shape_with_other_weights_is_refused(
     assert f"{first.url} <-> {second.url}: differ in model, logits: replay" in doctor, doctor
     assert f"{first.url} <-> {third.url}: same: KV state moves" in doctor, doctor
 
-    body = chat_body(ANSWER, messages=MESSAGES)
+    # Long enough that a loaded machine's client, reading its 20th chunk, never finds the
+    # whole answer already received (then there would be nothing left to cut).
+    body = chat_body(4 * ANSWER, messages=MESSAGES)
     stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 20, hold=first))
     assert_one_clean_stream(stream)
     (note,) = stream.notes
