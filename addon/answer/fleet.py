@@ -18,7 +18,7 @@ from addon.handoff.migration import Migrator
 from addon.handoff.shadow import Shadows
 from addon.servers.credentials import Credentials
 from addon.servers.directory import ServerDirectory
-from addon.servers.engines import ROUTER
+from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
 from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
@@ -94,7 +94,7 @@ class Fleet:
             info.continues_by == OWN_RENDERING.name and info.trailing_left_open
         )
         # A chat answer's prompt is compared with the truth on llama-server each time.
-        checked = dialect == "chat" and info.engine in ("llama-server", ROUTER)
+        checked = dialect == "chat" and info.engine in RENDERS_ON_ASKING
         return (
             info.continues is True
             and (by_message or dialect == "chat")

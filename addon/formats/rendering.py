@@ -14,6 +14,13 @@ RENDERED_FIELDS = (
 )  # fmt: skip
 
 
+def parting_at(a: str, b: str) -> int:
+    """Where two renderings first differ (the shorter's length where one begins the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def rendering_request(body: dict[str, Any]) -> dict[str, Any]:
     """The fields of `body` that its template is rendered with (a copy)."""
     return {name: copy.deepcopy(body[name]) for name in RENDERED_FIELDS if name in body}

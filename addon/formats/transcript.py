@@ -54,8 +54,7 @@ class Transcript:
     raw: bytearray = field(default_factory=bytearray)
     raw_whole: bool = True
     counted: bool = False
-    raw_lost: bool = False
-    unseen: int = 0  # tokens of such gaps
+    unseen: int = 0  # tokens of gaps no character explains: what the model wrote is lost
     # The request has stop strings: the server holds text that may start one and sends
     # it later with the next token's piece (a gap whose bytes all arrive).
     holds_stops: bool = False
@@ -95,6 +94,10 @@ class Transcript:
             self.vocabulary = vocabulary
         elif vocabulary is None or vocabulary != self.vocabulary:
             self.ids = None  # the answer so far can only be replayed as text now
+
+    @property
+    def raw_lost(self) -> bool:
+        return self.unseen > 0
 
     def raw_output(self) -> str | None:
         """The text the model wrote, exactly, when every token of it is accounted for by
@@ -207,7 +210,6 @@ class Transcript:
         self.ids = None
         text = b"".join(data for _, data in pieces or ()).decode(errors="ignore")
         if not self.holds_stops and gap > sum(len(char.encode()) - 1 for char in text):
-            self.raw_lost = True
             self.unseen += gap
 
 

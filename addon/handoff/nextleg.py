@@ -16,7 +16,7 @@ from addon.handoff import exact_vllm, rendered, seen
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.servers.directory import NotRendered, ServerDirectory
-from addon.servers.engines import ROUTER
+from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
@@ -107,7 +107,7 @@ class NextLeg:
         elif (completion := self._text_completion(upstream)) is not None:
             body, rewriter = completion
             path, replay = rendered.PATH, "text"
-        elif (truth := await self._checked(upstream)) is not None:
+        elif (truth := await self._truth_on_llama_server(upstream)) is not None:
             path, body, rewriter = truth
             replay = "text"
         else:
@@ -141,15 +141,6 @@ class NextLeg:
             raise CannotContinue(f"{upstream.url}: {exc}") from None
         return body, self._completion_rewriter()
 
-    async def _checked(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
-        """The continuation from the answer's text on an engine whose own rendering can be
-        asked for (llama-server's), checked against what the model saw and wrote; None on
-        other engines."""
-        engine = self._servers.get(upstream).engine if self._servers else None
-        if engine in ("llama-server", ROUTER):
-            return await self._truth_on_llama_server(upstream)
-        return None
-
     async def _truth_on_llama_server(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
         """The continuation on a llama-server (or router) of an answer with text sent,
         checked against what the model saw and wrote (handoff/seen.py): the chat route
@@ -157,7 +148,7 @@ class NextLeg:
         completion of it on its native route; None for other engines and answers with
         nothing to continue. Raises CannotContinue where neither is shown faithful."""
         servers = self._servers
-        if servers is None or servers.get(upstream).engine not in ("llama-server", ROUTER):
+        if servers is None or servers.get(upstream).engine not in RENDERS_ON_ASKING:
             return None
         if self.dialect.name != "chat" or not isinstance(self.body.get("messages"), list):
             return None  # the other APIs' continuations go as their own dialects make them
@@ -192,9 +183,9 @@ class NextLeg:
             raise CannotContinue(
                 f"{upstream.url}: {why}; and a text completion would not read tool calls"
             )
-        body = native_body(self.body, expected, [], self.transcript.produced)
-        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         produced = self.transcript.produced
+        body = native_body(self.body, expected, [], produced)
+        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
         chat_chunks = NativeToChat(servers.get(upstream).model, usage, replayed=produced)
         return "/completion", body, NativeRewriter(chat_chunks, self._plain_rewriter())
 

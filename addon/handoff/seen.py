@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from addon.formats.rendering import parting_at
 from addon.formats.transcript import Transcript
 
 CONTEXT = 24  # characters shown on each side of where two prompts part
@@ -38,10 +39,7 @@ def parting(rendered: str, expected: str) -> str | None:
     """Where `rendered` parts from `expected`, for a person; None where they are equal."""
     if rendered == expected:
         return None
-    at = next(
-        (i for i, (a, b) in enumerate(zip(rendered, expected, strict=False)) if a != b),
-        min(len(rendered), len(expected)),
-    )
+    at = parting_at(rendered, expected)
     start = max(0, at - CONTEXT)
     return (
         f"at character {at} the model saw {expected[start : at + CONTEXT]!r}, "

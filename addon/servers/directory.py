@@ -33,7 +33,7 @@ from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
 from addon.servers.credentials import Credentials
-from addon.servers.engines import ROUTER
+from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
 from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.identity import identity_of
@@ -262,7 +262,7 @@ class ServerDirectory:
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
-        if info.engine in ("llama-server", ROUTER) and info.continues_by == TRAILING_MESSAGE.name:
+        if info.engine in RENDERS_ON_ASKING and info.continues_by == TRAILING_MESSAGE.name:
             # Last: renderings take no slot, so they never share a batch with a handoff's
             # first continuation the way a question that generates would.
             try:

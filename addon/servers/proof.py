@@ -37,6 +37,7 @@ from addon.formats.continuers import (
     TRAILING_MESSAGE,
     Continuer,
 )
+from addon.formats.rendering import parting_at
 from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate
 from addon.servers.engines import ROUTER, token_count, tokenize_request
@@ -158,10 +159,7 @@ def _parted(rendered: str, expected: str) -> str | None:
         return None
     if rendered.startswith(expected):
         return f"is closed: {rendered[len(expected) :][:40]!r} follows it"
-    at = next(
-        (i for i, (a, b) in enumerate(zip(rendered, expected, strict=False)) if a != b),
-        min(len(rendered), len(expected)),
-    )
+    at = parting_at(rendered, expected)
     return f"renders {rendered[at : at + 30]!r} where the model saw {expected[at : at + 30]!r}"
 
 
