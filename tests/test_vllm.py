@@ -6,9 +6,12 @@ other way round, a vLLM primary cut mid-answer is continued by llama-server."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,14 @@ import httpx
 import openai
 import pytest
 
+from addon.formats.chat import Chat
+from addon.handoff import seen
+from addon.handoff.nextleg import CannotContinue, NextLeg
+from addon.handoff.vllm import VllmTerms
+from addon.servers.directory import ServerDirectory
+from addon.servers.engines import CHAT_RENDERING
+from addon.servers.upstream import Upstream
+from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
@@ -32,6 +43,7 @@ from scripts.testbed.vllmserver import (
     hf_copy,
 )
 from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
+from tests.chat_shapes import SHAPES, transcript
 from tests.streams import (
     RawStream,
     assert_one_clean_stream,
@@ -518,3 +530,114 @@ def test_a_killed_vllm_primary_is_continued_by_llama_server(
     assert f"{vllm.url} -> {fallback.url}" in note
     before, after = stream.segments
     assert before and after == continuation(fallback.url, before, LONG - stream.segment_tokens[0])
+
+
+def test_every_real_template_on_vllm_continues_what_the_model_saw_or_refuses(
+    vllm: VllmServer, capsys
+) -> None:
+    """Every template llama.cpp ships, rendered by vLLM itself (named in each request,
+    which this server trusts), as the next server of a cut answer over the shapes real
+    clients send (the answer's raw output known: its leading space, which the primary's
+    parser trimmed, is in it). The truth is vLLM's own tokens of the ORIGINAL request
+    followed by what the model wrote: what the server reads of the continuation the addon
+    builds (its tokens of the chat request sent, or the ids of the text completion sent)
+    must decode to the truth's text, or the answer is refused with a reason. The start-up
+    proof was made with the server's own template: for the others only the check at the
+    moment of use stands between an answer and a wrong prompt."""
+    tally, wrong = asyncio.run(_every_template_on_vllm(vllm.url))
+    with capsys.disabled():
+        print("\nreal templates on vLLM:", json.dumps(dict(sorted(tally.items())), indent=1))
+    assert not wrong, "\n".join(wrong)
+    assert tally["exact by a trailing message"] and tally["exact by a text completion"]
+
+
+def test_without_the_check_vllm_continues_these_templates_wrongly(
+    vllm: VllmServer, monkeypatch
+) -> None:
+    """The comparison is what keeps the cases above right: with it turned off (every
+    trailing message taken as reading the truth), Qwen3's template (which opens an empty
+    reasoning block the model never wrote before a continued message) and the turns
+    family's (which trims the message) continue from prompts the model never saw."""
+    monkeypatch.setattr(VllmTerms, "parting", lambda self, read, truth: None)
+    names = ["Qwen-Qwen3-0.6B", "microsoft-Phi-3.5-mini-instruct"]
+    _, wrong = asyncio.run(_every_template_on_vllm(vllm.url, names))
+    assert any(line.startswith("Qwen-Qwen3-0.6B / plain:") for line in wrong), wrong
+
+
+async def _every_template_on_vllm(
+    url: str, names: list[str] | None = None
+) -> tuple[Counter[str], list[str]]:
+    servers = ServerDirectory()
+    upstream = Upstream(url)
+    tally: Counter[str] = Counter()
+    wrong: list[str] = []
+    try:
+        await servers.probe(upstream, True)
+        asker = servers.asker
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for path in templates():
+                if names is not None and path.stem not in names:
+                    continue
+                source = path.read_text()
+                servers.asker = _with_template(asker, source)  # type: ignore[method-assign]
+                found = await asyncio.gather(
+                    *(_vllm_verdict(client, servers, upstream, source, shape) for shape in SHAPES)
+                )
+                for shape, (outcome, detail) in zip(SHAPES, found, strict=True):
+                    tally[outcome] += 1
+                    if outcome == "wrong":
+                        wrong.append(f"{path.stem} / {shape}: {detail}")
+    finally:
+        await servers.close()
+    return tally, wrong
+
+
+def _with_template(asker, source: str):
+    """The addon's questions to the server, each chat one naming `source` as its template."""
+
+    def bound(upstream: Upstream):
+        ask = asker(upstream)
+
+        async def asked(path: str, body):
+            if isinstance(body, dict) and "messages" in body:
+                body = {**body, "chat_template": source}
+            return await ask(path, body)
+
+        return asked
+
+    return bound
+
+
+async def _vllm_verdict(
+    client: httpx.AsyncClient, servers: ServerDirectory, upstream: Upstream, source: str,
+    shape: str,
+) -> tuple[str, str]:  # fmt: skip
+    body = {**SHAPES[shape], "model": SERVED_NAME, "max_tokens": 40, "stream": True}
+    rendering = {k: v for k, v in body.items() if k in CHAT_RENDERING or k == "model"}
+    original = await client.post(
+        "/tokenize", json={**rendering, "add_generation_prompt": True, "chat_template": source}
+    )
+    wrote = seen.written(transcript(upstream.url, exact=True), "")
+    leg = NextLeg("/v1/chat/completions", Chat("messages"), body,
+                  transcript(upstream.url, exact=True), servers, asks_ids=False)  # fmt: skip
+    try:
+        path, sent, _, _ = await leg.continuation(upstream)
+    except CannotContinue as why:
+        return "refused", str(why)
+    if original.status_code != 200:
+        return "wrong", f"continued though vLLM does not render the request: {sent}"
+
+    async def text(ids: list[int]) -> str:
+        answer = await client.post("/detokenize", json={"model": SERVED_NAME, "tokens": ids})
+        return answer.json()["prompt"]
+
+    truth = await text(original.json()["tokens"]) + wrote.text
+    if path == "/v1/completions":
+        read, way = sent["prompt"], "exact by a text completion"
+    else:
+        request = {k: v for k, v in sent.items() if k in CHAT_RENDERING or k == "model"}
+        asked = await client.post("/tokenize", json={**request, "chat_template": source})
+        read, way = asked.json()["tokens"], "exact by a trailing message"
+    if (said := await text(read)) != truth:
+        return "wrong", seen.parting(said, truth) or ""
+    return way, ""

@@ -5,6 +5,7 @@ utils). The engine's rendering of exactly this is what the model saw."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 RENDERED_FIELDS = (
@@ -14,8 +15,9 @@ RENDERED_FIELDS = (
 )  # fmt: skip
 
 
-def parting_at(a: str, b: str) -> int:
-    """Where two renderings first differ (the shorter's length where one begins the other)."""
+def parting_at(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Where two renderings (text or ids) first differ (the shorter's length where one
+    begins the other)."""
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import constraint_of, positive_int
 from addon.formats.transcript import LOGPROBS_COUNTED, TOKEN_IDS
-from addon.handoff import exact_vllm
+from addon.handoff import vllm
 from addon.servers.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -89,15 +89,15 @@ def first_leg_asks(
     if servers is None or not eligible(path, body) or len(ladder) < 2:
         return False, None, raw_body
     engine = servers.get(ladder[0]).engine
-    vllm = engine == exact_vllm.ENGINE
-    wants = exact_vllm.client_wants_ids(body) if vllm else client_wants_logprobs(body)
-    may_ask = exact_vllm.may_ask_for_ids(body) if vllm else may_ask_for_ids(body)
+    on_vllm = engine == vllm.ENGINE
+    wants = vllm.client_wants_ids(body) if on_vllm else client_wants_logprobs(body)
+    may_ask = vllm.may_ask_for_ids(body) if on_vllm else may_ask_for_ids(body)
     shared = any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
     asks = (wants or may_ask) and (shared or engine == "llama-server")
     if not asks or wants:
         return asks, None, raw_body
-    asked = exact_vllm.asking_for_ids(body) if vllm else asking_for_ids(body)
-    return asks, TOKEN_IDS if vllm else LOGPROBS_COUNTED, json.dumps(asked).encode()
+    asked = vllm.asking_for_ids(body) if on_vllm else asking_for_ids(body)
+    return asks, TOKEN_IDS if on_vllm else LOGPROBS_COUNTED, json.dumps(asked).encode()
 
 
 def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:

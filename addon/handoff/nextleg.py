@@ -6,28 +6,22 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from addon.formats.continuation import ChunkRewriter, prefill_of
+from addon.formats.continuation import prefill_of
 from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
-from addon.formats.shape import mapping
-from addon.formats.template import NoTemplate
 from addon.formats.transcript import Transcript
-from addon.handoff import exact_vllm, rendered, seen
-from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
+from addon.handoff import vllm
+from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
+from addon.handoff.exact import NativeRewriter
+from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
+from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
+from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import NotRendered, ServerDirectory
 from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
-UNSEEN = (
-    "the model wrote {} tokens the client never saw (what the server's parser keeps, "
-    "such as an empty reasoning block): what it wrote is not known"
-)
-
-
-class CannotContinue(Exception):
-    """A server that continues answers cannot continue this one; the message says why."""
 
 
 def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
@@ -96,20 +90,17 @@ class NextLeg:
         self, upstream: Upstream
     ) -> tuple[str, dict[str, Any], Rewriter, str | None]:
         """(path, body, chunk rewriter, how it replays) of the continuation as the answer
-        stands: from its token ids when `upstream` reads them the same way, else its text.
-        Raises CannotContinue."""
-        native = await self._exact(upstream)
-        if native is not None:
-            path, body, rewriter = native
-            replay = "token ids"
-        elif (why := self._unproven_for_reasoning(upstream)) is not None:
+        stands: built from what the model saw and wrote where `upstream`'s engine can say
+        what it reads (handoff/builder.py), else the dialect's continuation, the way the
+        server was proven to take one at start-up. Raises CannotContinue."""
+        if (why := self._unproven_for_reasoning(upstream)) is not None:
             raise CannotContinue(why)
-        elif (completion := self._text_completion(upstream)) is not None:
-            body, rewriter = completion
-            path, replay = rendered.PATH, "text"
-        elif (truth := await self._truth_on_llama_server(upstream)) is not None:
-            path, body, rewriter = truth
-            replay = "text"
+        if (terms := self._terms(upstream)) is not None:
+            answer = Answer(
+                self.transcript, prefill_of(self.body) or "", self._text_continuation(upstream),
+                bool(self.body.get("tools")), lambda chat: self._chat_leg(upstream, chat),
+            )  # fmt: skip
+            (path, body, rewriter), replay = await build(terms, answer, self._exact_ids(upstream))
         else:
             if self.transcript.content and self.transcript.raw_lost:
                 raise CannotContinue(UNSEEN.format(self.transcript.unseen))
@@ -120,84 +111,37 @@ class NextLeg:
             body["model"] = own
         return path, body, rewriter, replay
 
-    def _text_completion(self, upstream: Upstream) -> tuple[dict[str, Any], Rewriter] | None:
-        """A text completion of `upstream`'s own chat prompt and the answer so far, where
-        that is how it continues one (handoff/rendered.py); None where it is not."""
+    def _terms(self, upstream: Upstream) -> Terms | None:
+        """`upstream`'s engine's terms for what its model reads, where it can say them
+        and the answer has sent something to go on from (a chat answer: the other APIs'
+        continuations go as their own dialects make them); None otherwise."""
         servers = self._servers
-        info = servers.get(upstream) if servers else None
-        if servers is None or info is None or info.continues_by != RENDERED.name:
+        if servers is None or self.dialect.name != "chat":
             return None
-        if not self.transcript.content:
-            return None  # nothing to continue: the chat request as it is
-        if self.transcript.raw_lost:
-            raise CannotContinue(UNSEEN.format(self.transcript.unseen))
-        template = servers.templates[upstream]
-        wrote = seen.written(self.transcript, prefill_of(self.body) or "")
-        try:
-            body = rendered.completion_body(
-                self.body, self._text_continuation(upstream), template, wrote.text
-            )
-        except NoTemplate as exc:
-            raise CannotContinue(f"{upstream.url}: {exc}") from None
-        return body, self._completion_rewriter()
-
-    async def _truth_on_llama_server(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
-        """The continuation on a llama-server (or router) of an answer with text sent,
-        checked against what the model saw and wrote (handoff/seen.py): the chat route
-        with a trailing message where the server renders exactly that, else a text
-        completion of it on its native route; None for other engines and answers with
-        nothing to continue. Raises CannotContinue where neither is shown faithful."""
-        servers = self._servers
-        if servers is None or servers.get(upstream).engine not in RENDERS_ON_ASKING:
+        if not isinstance(self.body.get("messages"), list):
             return None
-        if self.dialect.name != "chat" or not isinstance(self.body.get("messages"), list):
-            return None  # the other APIs' continuations go as their own dialects make them
         if not (self.transcript.content or self.transcript.reasoning):
             return None
-        try:
-            truth = await self._chat_prompt_or_why(upstream)
-            prefill = prefill_of(self.body) or ""
-            chat = self._text_continuation(upstream)
-            rendering = await servers.rendering(upstream, chat)
-        except NotRendered as why:
-            raise CannotContinue(str(why)) from None
-        if self.transcript.reasoning:
-            why = seen.reasoning_parting(rendering, truth, self.transcript, prefill)
-            if why is not None:
-                raise CannotContinue(f"{upstream.url}: {why}")
-            return self._chat_leg(upstream, chat)
-        if self.transcript.raw_lost:
-            raise CannotContinue(UNSEEN.format(self.transcript.unseen))
-        wrote = seen.written(self.transcript, prefill)
-        expected = truth + wrote.text
-        if (why := seen.parting(rendering, expected)) is None:
-            return self._chat_leg(upstream, chat)
-        if wrote.exact and wrote.text != self.transcript.text.removeprefix(prefill):
-            # The primary's parser changed the text (a leading space trimmed): the
-            # trailing message may carry what the model wrote instead.
-            raw = {**chat, "messages": [*chat["messages"][:-1], dict(chat["messages"][-1])]}
-            raw["messages"][-1]["content"] = prefill + wrote.text
-            if await servers.render(upstream, raw) == expected:
-                return self._chat_leg(upstream, raw)
-        if self.body.get("tools"):
-            raise CannotContinue(
-                f"{upstream.url}: {why}; and a text completion would not read tool calls"
-            )
-        produced = self.transcript.produced
-        body = native_body(self.body, expected, [], produced)
-        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
-        chat_chunks = NativeToChat(servers.get(upstream).model, usage, replayed=produced)
-        return "/completion", body, NativeRewriter(chat_chunks, self._plain_rewriter())
+        info, url = servers.get(upstream), upstream.url
+        if info.engine in RENDERS_ON_ASKING:
+            render = lambda chat: servers.rendering(upstream, chat)  # noqa: E731
+            return LlamaServerTerms(url, info.model, self.body, self.transcript,
+                                    lambda: self._chat_prompt_or_why(upstream), render)  # fmt: skip
+        if info.engine == vllm.ENGINE:
+            model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
+            return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
+                             info.slot_context)  # fmt: skip
+        if info.continues_by == RENDERED.name and (template := servers.templates.get(upstream)):
+            continued = self._text_continuation(upstream)
+            return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript)
+        return None
 
-    def _chat_leg(self, upstream: Upstream, chat: dict[str, Any]) -> tuple[str, dict, Rewriter]:
+    def _chat_leg(self, upstream: Upstream, chat: dict[str, Any]) -> Leg:
         info = self._servers.get(upstream) if self._servers else None
         rewriter = self.dialect.rewriter(
             self.transcript, chat, info.echoes_prefill if info else None
         )
         return self.dialect.leg_path(self.path, chat), chat, rewriter
-
-    def _plain_rewriter(self) -> ChunkRewriter:
-        return ChunkRewriter(self.transcript, "", False)
 
     def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer's reasoning: its way of continuing
@@ -247,38 +191,6 @@ class NextLeg:
         if (prompt := await self._chat_prompt(upstream)) is None:
             return None
         return prompt, ids
-
-    async def _exact(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
-        """A request that goes on from the delivered token ids, in the target engine's
-        terms (see `_exact_start` and exact_vllm.py)."""
-        servers = self._servers
-        if servers is not None and servers.get(upstream).engine == exact_vllm.ENGINE:
-            return await self._exact_on_vllm(upstream)
-        if (start := await self._exact_start(upstream)) is None:
-            return None
-        assert servers is not None
-        prompt, ids = start
-        body = native_body(self.body, prompt, ids, self.transcript.produced)
-        usage = mapping(self.body.get("stream_options")).get("include_usage") is True
-        chat = NativeToChat(servers.get(upstream).model, include_usage=usage, replayed=len(ids))
-        return "/completion", body, NativeRewriter(chat, self._plain_rewriter())
-
-    async def _exact_on_vllm(self, upstream: Upstream) -> tuple[str, dict, Rewriter] | None:
-        servers = self._servers
-        assert servers is not None
-        if (ids := self._exact_ids(upstream)) is None:
-            return None
-        if (context := servers.get(upstream).slot_context) is None:
-            return None  # the rest of its context cannot be named: text, by its chat route
-        if (prompt := await servers.prompt_ids(upstream, self.body)) is None:
-            return None
-        produced = self.transcript.produced
-        body = exact_vllm.native_body(self.body, prompt + ids, produced, context)
-        return rendered.PATH, body, self._completion_rewriter()
-
-    def _completion_rewriter(self) -> rendered.CompletionRewriter:
-        top = rendered.logprobs_asked(self.body)
-        return rendered.CompletionRewriter(self._plain_rewriter(), top)
 
     async def tokens_held(self, source: Upstream, target: Upstream) -> int | None:
         """How many tokens the cut `source`'s cache holds for this answer (its rendering

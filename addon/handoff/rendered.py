@@ -1,9 +1,7 @@
-"""Continuing a chat answer on a server whose chat route cannot: a text completion
-(`/v1/completions`) of the model's own chat prompt, rendered here from its template
-(formats/template.py), followed by the answer so far. A text completion simply goes on
-from its prompt; its chunks are turned back into chat chunks of the client's stream.
-The server is used so only once its chat route and its text completions are seen to
-read the same prompt (servers/proof.py).
+"""Text completions on the OpenAI text route (`/v1/completions`) that continue a chat
+answer: the prompt (text, or token ids) is what the model saw followed by what it wrote
+(handoff/builder.py); the completion simply goes on from it, and its chunks are turned
+back into chat chunks of the client's stream.
 """
 
 from __future__ import annotations
@@ -11,23 +9,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
+from addon.formats.continuation import CHAT_ONLY, ChunkRewriter
 from addon.formats.shape import mapping, positive_int
-from addon.formats.template import ChatTemplate
 
 PATH = "/v1/completions"
-
-
-def completion_body(
-    original: dict[str, Any], continued: dict[str, Any], template: ChatTemplate, written: str
-) -> dict[str, Any]:
-    """The text completion that goes on from what the model wrote, `written`: the
-    template's rendering of the `original` request as llama-cpp-python's chat route
-    renders it (its messages and tools as sent; that engine takes no per-request
-    template kwargs), then `written`, with `continued`'s settings (its limits lowered).
-    Raises NoTemplate."""
-    prompt = template.render(list(original["messages"]), tools=original.get("tools"))
-    return text_completion(continued, prompt + written, token_limit(continued))
 
 
 def text_completion(
@@ -37,7 +22,7 @@ def text_completion(
     request's sampling settings. Its limit is always named: `max_tokens` left, or, where
     the client set none, the caller's (null: llama-cpp-python reads it as the rest of its
     context, where its text route's default is 16 tokens; vLLM does not, see
-    exact_vllm.py).
+    handoff/vllm.py).
     The client's `stream_options` go along (usage at the end), and its logprobs are asked
     in the text route's terms (`CompletionRewriter` gives them back in the chat's)."""
     # `echo` would send back the prompt, rendered or as ids: the client has had its echo.

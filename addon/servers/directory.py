@@ -233,7 +233,7 @@ class ServerDirectory:
             try:
                 template = await self._template(upstream, info) if generate else None
                 found = await proof.continues(
-                    self._asker(upstream), info.engine, info.model, generate, template
+                    self.asker(upstream), info.engine, info.model, generate, template
                 )
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
@@ -267,7 +267,7 @@ class ServerDirectory:
             # first continuation the way a question that generates would.
             try:
                 info.continues_why += await proof.shapes_rendered_open(
-                    self._asker(upstream), info.model if info.engine == ROUTER else None
+                    self.asker(upstream), info.model if info.engine == ROUTER else None
                 )
             except proof.ERRORS as exc:
                 log.info("%s: the other chat shapes were not rendered: %r", upstream.url, exc)
@@ -318,9 +318,9 @@ class ServerDirectory:
             return None
 
     async def _fingerprint(self, upstream: Upstream, slot_dir: Path) -> Fingerprint | str:
-        return await fingerprint_for_migration(self._asker(upstream), slot_dir)
+        return await fingerprint_for_migration(self.asker(upstream), slot_dir)
 
-    def _asker(self, upstream: Upstream) -> Callable[[str, Any], Awaitable[Any]]:
+    def asker(self, upstream: Upstream) -> Callable[[str, Any], Awaitable[Any]]:
         """`_ask` bound to one server, for the modules that ask it questions of their own."""
         return lambda path, body: self._ask(upstream, path, body)
 

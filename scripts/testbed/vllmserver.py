@@ -129,6 +129,9 @@ class VllmServer(ManagedProcess):
             # A prompt read from the cache is computed in other shapes than one read whole,
             # which can flip a near-tie of the tiny random models: tests compare the two.
             "--no-enable-prefix-caching",
+            # Lets a test render with any template in a request (tests/test_vllm.py runs
+            # every template llama.cpp ships through one server).
+            "--trust-request-chat-template",
         ]  # fmt: skip
 
     def kill(self) -> None:

@@ -1,0 +1,154 @@
+"""The one way a cut chat answer's continuation is built, for every engine that can say
+what its model reads.
+
+What the model saw is the next engine's own rendering of the client's original request
+(`Terms.saw`); what it wrote is the raw output so far (handoff/seen.py). The truth is the
+one followed by the other, in the engine's terms (its text, or its token ids). A
+continuation goes on from the truth and from nothing else:
+
+- where the answer's token ids are known and the engine reads them as the model meant
+  them, its rendering followed by those ids;
+- else, where the engine's chat route reads a trailing assistant message (asked its way)
+  as exactly the truth, that chat request: its parser keeps reasoning and tool calls;
+- else the truth itself on its text route, where it has one and no tools are offered
+  (a text completion would hand a tool call to the client as text);
+- else not at all: CannotContinue, saying where the prompts part.
+
+Each engine's terms are one module (handoff/llama_server.py, vllm.py,
+llama_cpp_python.py); a new engine is one more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from addon.formats.dialect import Rewriter
+from addon.formats.transcript import Transcript
+from addon.handoff import seen
+from addon.servers.directory import NotRendered
+
+Leg = tuple[str, dict[str, Any], Rewriter]  # path, body, how its chunks are rewritten
+UNSEEN = (
+    "the model wrote {} tokens the client never saw (what the server's parser keeps, "
+    "such as an empty reasoning block): what it wrote is not known"
+)
+TEXT_ROUTE_AND_TOOLS = "and a text completion would not read tool calls"
+
+
+class CannotContinue(Exception):
+    """A server that continues answers cannot continue this one; the message says why."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as an engine reads it: its text where the engine renders text on asking,
+    else its token ids. Two prompts are the same when these are equal."""
+
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+
+
+class Terms(Protocol):
+    """One engine's terms for what its model reads, for one answer."""
+
+    url: str
+
+    async def saw(self) -> Prompt:
+        """Its rendering of the client's original request. Raises NotRendered."""
+        ...
+
+    async def truth(self, saw: Prompt, written: str) -> Prompt:
+        """`saw` followed by `written` (what the model wrote). Raises NotRendered."""
+        ...
+
+    async def reads(self, chat: dict[str, Any]) -> Prompt | None:
+        """What its chat route reads for `chat` (a trailing message, asked its way); None
+        where a trailing message is not a way to continue there. Raises NotRendered."""
+        ...
+
+    def parting(self, read: Prompt, truth: Prompt) -> str | None:
+        """Where `read` parts from `truth`, for a person; None where they are the same."""
+        ...
+
+    def text_leg(self, truth: Prompt) -> Leg | None:
+        """A text completion of exactly `truth`, where the engine has a text route."""
+        ...
+
+    def ids_leg(self, saw: Prompt, ids: list[int]) -> Leg | None:
+        """A completion of `saw` followed by the answer's token `ids`, where it can."""
+        ...
+
+
+@dataclass
+class Answer:
+    """The answer being continued, as the builder needs it."""
+
+    transcript: Transcript
+    prefill: str  # the client's own assistant prefill ("" without one)
+    chat: dict[str, Any]  # its chat continuation: a trailing message, asked the target's way
+    tools: bool  # tools were offered
+    chat_leg: Callable[[dict[str, Any]], Leg]  # the leg of a chat continuation body
+
+
+async def build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[Leg, str]:
+    """The leg that continues `answer` on the server `terms` speaks for, and how it
+    replays the answer ("token ids" or "text"); `ids`: the answer's token ids, where the
+    server reads them as the model meant them. Raises CannotContinue."""
+    try:
+        return await _build(terms, answer, ids)
+    except NotRendered as why:
+        raise CannotContinue(str(why)) from None
+
+
+async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[Leg, str]:
+    transcript = answer.transcript
+    saw = await terms.saw()
+    if ids is not None and (leg := terms.ids_leg(saw, ids)) is not None:
+        return leg, "token ids"
+    if transcript.reasoning:
+        return await _with_reasoning(terms, answer, saw), "text"
+    if transcript.raw_lost:
+        raise CannotContinue(UNSEEN.format(transcript.unseen))
+    wrote = seen.written(transcript, answer.prefill)
+    truth = await terms.truth(saw, wrote.text)
+    why = f"{terms.url}'s chat route does not continue a partial message"
+    if (read := await terms.reads(answer.chat)) is not None:
+        if (why := terms.parting(read, truth)) is None:
+            return answer.chat_leg(answer.chat), "text"
+        delivered = transcript.text.removeprefix(answer.prefill)
+        if wrote.exact and wrote.text != delivered:
+            # The primary's parser changed the text (a leading space trimmed): the
+            # trailing message may carry what the model wrote instead.
+            raw = _carrying(answer.chat, answer.prefill + wrote.text)
+            if (read := await terms.reads(raw)) is not None and terms.parting(read, truth) is None:
+                return answer.chat_leg(raw), "text"
+        why = f"{terms.url}: {why}"
+    if answer.tools:
+        raise CannotContinue(f"{why}; {TEXT_ROUTE_AND_TOOLS}")
+    if (leg := terms.text_leg(truth)) is None:
+        raise CannotContinue(f"{why}, and it has no text route")
+    return leg, "text"
+
+
+async def _with_reasoning(terms: Terms, answer: Answer, saw: Prompt) -> Leg:
+    """An answer with reasoning, whose markers the client never saw (the raw output is
+    not known byte for byte): only a chat route that renders the trailing message as the
+    truth prompt followed by the reasoning and the content goes on with it."""
+    read = await terms.reads(answer.chat)
+    if read is None or read.text is None or saw.text is None:
+        raise CannotContinue(
+            f"{terms.url} cannot show how it renders this answer's reasoning, whose "
+            "markers the client never saw"
+        )
+    why = seen.reasoning_parting(read.text, saw.text, answer.transcript, answer.prefill)
+    if why is not None:
+        raise CannotContinue(f"{terms.url}: {why}")
+    return answer.chat_leg(answer.chat)
+
+
+def _carrying(chat: dict[str, Any], text: str) -> dict[str, Any]:
+    """`chat` whose trailing message carries `text` instead."""
+    last = {**chat["messages"][-1], "content": text}
+    return {**chat, "messages": [*chat["messages"][:-1], last]}

@@ -1,0 +1,62 @@
+"""llama-server's terms (a router's too): it renders any chat request on asking
+(`/apply-template`), so what its model saw and what a trailing message would read are
+both its own text; its native `/completion` goes on from a text prompt, followed by
+token ids where they are known (handoff/exact.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from addon.formats.continuation import ChunkRewriter
+from addon.formats.shape import mapping
+from addon.formats.transcript import Transcript
+from addon.handoff import seen
+from addon.handoff.builder import Leg, Prompt
+from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
+
+Render = Callable[[dict[str, Any]], Awaitable[str]]  # a chat request -> its rendering
+
+
+class LlamaServerTerms:
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        original: dict[str, Any],
+        transcript: Transcript,
+        saw: Callable[[], Awaitable[str]],
+        render: Render,
+    ) -> None:
+        """`saw`: its rendering of `original` (asked once per answer); `render`: its
+        rendering of any chat request (both raise NotRendered)."""
+        self.url = url
+        self._model = model
+        self._original = original
+        self._transcript = transcript
+        self._saw = saw
+        self._render = render
+
+    async def saw(self) -> Prompt:
+        return Prompt(text=await self._saw())
+
+    async def truth(self, saw: Prompt, written: str) -> Prompt:
+        return Prompt(text=(saw.text or "") + written)
+
+    async def reads(self, chat: dict[str, Any]) -> Prompt | None:
+        return Prompt(text=await self._render(chat))
+
+    def parting(self, read: Prompt, truth: Prompt) -> str | None:
+        return seen.parting(read.text or "", truth.text or "")
+
+    def text_leg(self, truth: Prompt) -> Leg:
+        return self._native(truth.text or "", [], self._transcript.produced)
+
+    def ids_leg(self, saw: Prompt, ids: list[int]) -> Leg:
+        return self._native(saw.text or "", ids, len(ids))
+
+    def _native(self, prompt: str, ids: list[int], replayed: int) -> Leg:
+        body = native_body(self._original, prompt, ids, self._transcript.produced)
+        usage = mapping(self._original.get("stream_options")).get("include_usage") is True
+        chat = NativeToChat(self._model, include_usage=usage, replayed=replayed)
+        return "/completion", body, NativeRewriter(chat, ChunkRewriter(self._transcript, "", False))

@@ -1,0 +1,148 @@
+"""vLLM's terms. Its `/tokenize` renders a chat request with its own template (tools,
+kwargs, `continue_final_message` and all) into token ids, and `/detokenize` gives their
+text: what its model saw is those ids of the original request, and a trailing message
+is compared with the truth as ids too. Its text route (`/v1/completions`) takes a
+prompt of ids.
+
+Between two vLLM servers of one tokenizer an answer goes on from its very token ids:
+the first leg is asked for them (`return_token_ids`, taken out again unless the client
+asked for them). vLLM holds back text (half of a character, the start of a stop string)
+while its ids go out: the transcript treats ids whose text has not arrived as unknown
+(fail closed), and an answer with stop strings is replayed as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from addon.formats.continuation import ChunkRewriter, token_limit
+from addon.formats.rendering import parting_at
+from addon.formats.transcript import Transcript
+from addon.handoff.builder import Leg, Prompt
+from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
+from addon.servers.directory import NotRendered
+from addon.servers.engines import CHAT_RENDERING
+
+ENGINE = "vllm"
+Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
+SHOWN = 4  # ids shown on each side of where two prompts part
+
+
+def may_ask_for_ids(body: dict[str, Any]) -> bool:
+    """Whether asking for ids changes nothing the client decides: it did not set
+    `return_token_ids` itself, and no stop string makes vLLM hold text back."""
+    return "return_token_ids" not in body and not body.get("stop")
+
+
+def client_wants_ids(body: dict[str, Any]) -> bool:
+    return body.get("return_token_ids") is True
+
+
+def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "return_token_ids": True}
+
+
+def native_body(
+    body: dict[str, Any], prompt: list[int], produced: int, context: int
+) -> dict[str, Any]:
+    """A text completion that goes on from `prompt` (the chat prompt's ids, then the
+    answer's), with the chat request's sampling settings. Where the client set no limit,
+    the rest of the server's `context`: vLLM's text route reads a null `max_tokens` as
+    its default, 16 tokens, where its chat route goes on to the end of the context."""
+    limit = token_limit(body)
+    left = context - len(prompt) if limit is None else max(1, limit - produced)
+    native = text_completion(body, prompt, max(1, left))
+    native.pop("return_token_ids", None)
+    return native
+
+
+class VllmTerms:
+    def __init__(
+        self,
+        url: str,
+        ask: Ask,
+        model: str | None,
+        original: dict[str, Any],
+        transcript: Transcript,
+        context: int | None,
+    ) -> None:
+        """`model`: the name it serves its model by; `context`: its tokens per request,
+        where known (a text completion is not sent without it)."""
+        self.url = url
+        self._ask = ask
+        self._named = {"model": model} if model else {}
+        self._original = original
+        self._transcript = transcript
+        self._context = context
+
+    async def saw(self) -> Prompt:
+        opened = {**self._original, "add_generation_prompt": True}
+        return Prompt(ids=tuple(await self._chat_ids(opened)))
+
+    async def truth(self, saw: Prompt, written: str) -> Prompt:
+        """The text of `saw` (its `/detokenize`, checked to read back as the same ids)
+        followed by `written`, as its text route tokenizes it."""
+        ids = list(saw.ids or ())
+        text = (await self._asked("/detokenize", {**self._named, "tokens": ids}))["prompt"]
+        if not isinstance(text, str) or await self._text_ids(text) != ids:
+            raise NotRendered(
+                f"{self.url} does not read the text of its own rendering of the request "
+                "as the same token ids: it cannot be continued by text there"
+            )
+        return Prompt(text=text + written, ids=tuple(await self._text_ids(text + written)))
+
+    async def reads(self, chat: dict[str, Any]) -> Prompt:
+        return Prompt(ids=tuple(await self._chat_ids(chat)))
+
+    def parting(self, read: Prompt, truth: Prompt) -> str | None:
+        if read.ids == truth.ids:
+            return None
+        seen, sent = truth.ids or (), read.ids or ()
+        at = parting_at(seen, sent)
+        start = max(0, at - SHOWN)
+        return (
+            f"at token {at} the model saw ids {list(seen[start : at + SHOWN])}, a trailing "
+            f"message reads {list(sent[start : at + SHOWN])}"
+        )
+
+    def text_leg(self, truth: Prompt) -> Leg | None:
+        return self._completion(list(truth.ids or ()))
+
+    def ids_leg(self, saw: Prompt, ids: list[int]) -> Leg | None:
+        return self._completion([*(saw.ids or ()), *ids])
+
+    def _completion(self, prompt: list[int]) -> Leg | None:
+        if self._context is None:
+            return None
+        body = native_body(self._original, prompt, self._transcript.produced, self._context)
+        plain = ChunkRewriter(self._transcript, "", False)
+        return PATH, body, CompletionRewriter(plain, logprobs_asked(self._original))
+
+    async def _chat_ids(self, chat: dict[str, Any]) -> list[int]:
+        request = {name: chat[name] for name in CHAT_RENDERING if name in chat}
+        return _ids(await self._asked("/tokenize", {**self._named, **request}))
+
+    async def _text_ids(self, text: str) -> list[int]:
+        request = {**self._named, "prompt": text, "add_special_tokens": False}
+        return _ids(await self._asked("/tokenize", request))
+
+    async def _asked(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return await self._ask(path, body)
+        except httpx.HTTPStatusError as exc:
+            raise NotRendered(
+                f"{self.url} did not render the request (HTTP {exc.response.status_code} "
+                f"from {path}: {exc.response.text[:200]})"
+            ) from None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise NotRendered(f"{self.url} did not render the request ({exc!r})") from None
+
+
+def _ids(answer: Any) -> list[int]:
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise NotRendered(f"no token ids in its tokenize answer: {answer!r:.200}")
+    return tokens
