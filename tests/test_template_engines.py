@@ -31,12 +31,15 @@ BOS, EOS = "<s>", "</s>"
 ENGINE = """
 import json, sys
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-found = []
+found, formatters = [], {}
 for case in json.load(sys.stdin):
+    key = (case["template"], case["bos"], case["eos"])
     try:
-        formatter = Jinja2ChatFormatter(template=case["template"], eos_token=case["eos"],
-                                        bos_token=case["bos"], add_generation_prompt=True)
-        found.append({"prompt": formatter(messages=case["messages"], tools=case["tools"]).prompt})
+        if key not in formatters:
+            formatters[key] = Jinja2ChatFormatter(template=case["template"], eos_token=case["eos"],
+                                                  bos_token=case["bos"], add_generation_prompt=True)
+        rendered = formatters[key](messages=case["messages"], tools=case["tools"])
+        found.append({"prompt": rendered.prompt})
     except Exception as exc:
         found.append({"error": f"{type(exc).__name__}: {exc}"})
 json.dump(found, sys.stdout)
@@ -65,9 +68,10 @@ def test_the_addon_renders_every_real_template_as_llama_cpp_python_does(capsys) 
     ]  # fmt: skip
     tally: Counter[str] = Counter()
     different: list[str] = []
+    ours_by_source = {path.read_text(): ChatTemplate(path.read_text(), BOS, EOS) for path in found}
     for case, engine in zip(cases, engine_renderings(cases), strict=True):
         try:
-            ours = ChatTemplate(case["template"], BOS, EOS).render(
+            ours = ours_by_source[case["template"]].render(
                 json.loads(json.dumps(case["messages"])), tools=case["tools"]
             )
         except NoTemplate:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from addon.formats.dialect import Rewriter
 from addon.formats.transcript import Transcript
 from addon.handoff import seen
-from addon.servers.directory import NotRendered
+from addon.servers.prompts import NotRendered
 
 Leg = tuple[str, dict[str, Any], Rewriter]  # path, body, how its chunks are rewritten
 UNSEEN = (

@@ -17,7 +17,7 @@ from addon.formats.transcript import Transcript
 from addon.handoff import seen
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
-from addon.servers.directory import NotRendered
+from addon.servers.prompts import NotRendered
 
 
 class LlamaCppPythonTerms:

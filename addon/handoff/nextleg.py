@@ -17,8 +17,9 @@ from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.handoff.vllm import VllmTerms
-from addon.servers.directory import NotRendered, ServerDirectory
+from addon.servers.directory import ServerDirectory
 from addon.servers.engines import RENDERS_ON_ASKING
+from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)

@@ -23,8 +23,8 @@ from addon.formats.rendering import parting_at
 from addon.formats.transcript import Transcript
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
-from addon.servers.directory import NotRendered
 from addon.servers.engines import CHAT_RENDERING
+from addon.servers.prompts import NotRendered
 
 ENGINE = "vllm"
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer

@@ -26,9 +26,7 @@ from urllib.parse import quote
 
 import httpx
 
-from addon.formats.continuation import token_limit
 from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
-from addon.formats.rendering import rendering_request
 from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
@@ -38,13 +36,10 @@ from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.identity import identity_of
 from addon.servers.info import ServerInfo, slot_context, unanswered
+from addon.servers.prompts import PromptQuestions
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
-
-
-class NotRendered(Exception):
-    """A server did not render a chat request; the message says why."""
 
 
 QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
@@ -62,7 +57,7 @@ def _changed(old: dict[str, str], new: dict[str, str]) -> set[str]:
     return {url for url in {*old, *new} if old.get(url) != new.get(url)}
 
 
-class ServerDirectory:
+class ServerDirectory(PromptQuestions):
     def __init__(self, on_exchange: Callable[[Exchange], None] = lambda _: None) -> None:
         self._on_exchange = on_exchange
         self.credentials = Credentials()
@@ -324,14 +319,6 @@ class ServerDirectory:
         """`_ask` bound to one server, for the modules that ask it questions of their own."""
         return lambda path, body: self._ask(upstream, path, body)
 
-    async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
-        """How many tokens the server makes of `text` as a prompt."""
-        try:
-            answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
-            return len(answer["tokens"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None
-
     def own_model(self, upstream: Upstream, asked: Any) -> str | None:
         """The name `upstream` serves its model by (the one spillover_models names, else
         the first it lists), where the client asked for another (`asked`) and the server
@@ -362,56 +349,6 @@ class ServerDirectory:
         fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
         return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
-    async def prompt_ids(self, upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
-        """The chat request's prompt as token ids, where the engine's tokenize route
-        renders messages (vLLM), opening the assistant's turn."""
-        answer = await self._tokenized_chat(upstream, {**body, "add_generation_prompt": True})
-        tokens = mapping(answer).get("tokens")
-        return tokens if isinstance(tokens, list) else None
-
-    async def _tokenized_chat(self, upstream: Upstream, body: dict[str, Any]) -> Any:
-        """The answer of an engine whose tokenize route renders a chat request's messages
-        (see engines.chat_tokenize_request), asked in the server's own model name; None
-        where it has no such route or did not answer."""
-        named = {**body, "model": self.own_model(upstream, body.get("model")) or body.get("model")}
-        request = engines.chat_tokenize_request(self.get(upstream).engine or "", named)
-        if request is None:
-            return None
-        try:
-            return await self._ask(upstream, *request)
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
-        """`rendering`, or None where the server cannot say."""
-        try:
-            return await self.rendering(upstream, body)
-        except NotRendered:
-            return None
-
-    async def rendering(self, upstream: Upstream, body: dict[str, Any]) -> str:
-        """The chat request's prompt as this server's template renders it, with all of
-        the request that reaches the template (formats/rendering.py): a llama-server's own
-        `/apply-template`, a router's for the model it serves. Raises NotRendered."""
-        request = rendering_request(body)
-        if self.get(upstream).engine == ROUTER:
-            request["model"] = self.own_model(upstream, body.get("model")) or body.get("model")
-        try:
-            prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
-        except httpx.ConnectError as exc:
-            raise NotRendered(f"cannot connect to {upstream.url}: {exc!r}") from None
-        except httpx.HTTPStatusError as exc:
-            said = exc.response.text[:200]
-            raise NotRendered(
-                f"{upstream.url} did not render the request (HTTP {exc.response.status_code} "
-                f"from /apply-template: {said})"
-            ) from None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise NotRendered(f"{upstream.url} did not render the request ({exc!r})") from None
-        if not isinstance(prompt, str):
-            raise NotRendered(f"{upstream.url} did not render the request (no prompt)")
-        return prompt
-
     async def _echoes(self, upstream: Upstream, model: str | None, way: Continuer) -> bool:
         body: dict[str, Any] = {"model": model} if model else {}
         body |= {
@@ -429,31 +366,3 @@ class ServerDirectory:
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
         return str(text).startswith(MARKER)
-
-    async def room_needed(
-        self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
-    ) -> int | None:
-        """Tokens the request takes on this server: its rendered prompt plus the tokens it
-        may still write; None when the server cannot tell. When `bound` (from its size)
-        says it fits in `room`, the server is not asked (asking costs two round trips in
-        the pause)."""
-        if bound is not None and bound <= room:
-            return bound
-        if (
-            counted := engines.prompt_count(await self._tokenized_chat(upstream, body))
-        ) is not None:
-            return counted + (token_limit(body) or 0)
-        prompt = body.get("prompt")
-        if prompt is None and (prompt := await self.render(upstream, body)) is None:
-            return None
-        count = 0
-        for part in prompt if isinstance(prompt, list) else [prompt]:
-            if isinstance(part, int):
-                count += 1
-                continue
-            try:
-                tokens = await self._ask(upstream, "/tokenize", {"content": part})
-                count += len(tokens["tokens"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return None
-        return count + (token_limit(body) or 0)

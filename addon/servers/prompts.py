@@ -1,0 +1,102 @@
+"""What a server makes of a prompt, asked of it: its rendering of a chat request (the
+engines that render on asking), its tokens' count, and so the room a request takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from addon.formats.continuation import token_limit
+from addon.formats.rendering import rendering_request
+from addon.servers import engines
+from addon.servers.engines import ROUTER
+from addon.servers.upstream import Upstream
+
+
+class NotRendered(Exception):
+    """A server did not render a chat request; the message says why."""
+
+
+class PromptQuestions:
+    """The questions of ServerDirectory about prompts (it provides `_ask`, `get` and
+    `own_model`)."""
+
+    async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
+        """How many tokens the server makes of `text` as a prompt."""
+        try:
+            answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
+            return len(answer["tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    async def _tokenized_chat(self, upstream: Upstream, body: dict[str, Any]) -> Any:
+        """The answer of an engine whose tokenize route renders a chat request's messages
+        (see engines.chat_tokenize_request), asked in the server's own model name; None
+        where it has no such route or did not answer."""
+        named = {**body, "model": self.own_model(upstream, body.get("model")) or body.get("model")}
+        request = engines.chat_tokenize_request(self.get(upstream).engine or "", named)
+        if request is None:
+            return None
+        try:
+            return await self._ask(upstream, *request)
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def render(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
+        """`rendering`, or None where the server cannot say."""
+        try:
+            return await self.rendering(upstream, body)
+        except NotRendered:
+            return None
+
+    async def rendering(self, upstream: Upstream, body: dict[str, Any]) -> str:
+        """The chat request's prompt as this server's template renders it, with all of
+        the request that reaches the template (formats/rendering.py): a llama-server's own
+        `/apply-template`, a router's for the model it serves. Raises NotRendered."""
+        request = rendering_request(body)
+        if self.get(upstream).engine == ROUTER:
+            request["model"] = self.own_model(upstream, body.get("model")) or body.get("model")
+        try:
+            prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
+        except httpx.ConnectError as exc:
+            raise NotRendered(f"cannot connect to {upstream.url}: {exc!r}") from None
+        except httpx.HTTPStatusError as exc:
+            said = exc.response.text[:200]
+            raise NotRendered(
+                f"{upstream.url} did not render the request (HTTP {exc.response.status_code} "
+                f"from /apply-template: {said})"
+            ) from None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise NotRendered(f"{upstream.url} did not render the request ({exc!r})") from None
+        if not isinstance(prompt, str):
+            raise NotRendered(f"{upstream.url} did not render the request (no prompt)")
+        return prompt
+
+    async def room_needed(
+        self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
+    ) -> int | None:
+        """Tokens the request takes on this server: its rendered prompt plus the tokens it
+        may still write; None when the server cannot tell. When `bound` (from its size)
+        says it fits in `room`, the server is not asked (asking costs two round trips in
+        the pause)."""
+        if bound is not None and bound <= room:
+            return bound
+        if (
+            counted := engines.prompt_count(await self._tokenized_chat(upstream, body))
+        ) is not None:
+            return counted + (token_limit(body) or 0)
+        prompt = body.get("prompt")
+        if prompt is None and (prompt := await self.render(upstream, body)) is None:
+            return None
+        count = 0
+        for part in prompt if isinstance(prompt, list) else [prompt]:
+            if isinstance(part, int):
+                count += 1
+                continue
+            try:
+                tokens = await self._ask(upstream, "/tokenize", {"content": part})
+                count += len(tokens["tokens"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+        return count + (token_limit(body) or 0)
