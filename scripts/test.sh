@@ -32,6 +32,11 @@ install sudo sudo
 .venv/bin/python -m scripts.testbed.llamacppfiles >/dev/null
 .venv/bin/python -m scripts.testbed.realmodel >/dev/null
 
+# mitmproxy makes its CA in ~/.mitmproxy the first time it starts: made here once, so the
+# first proxies the tests start in parallel do not race to write it.
+.venv/bin/python -c 'from pathlib import Path; from mitmproxy.certs import CertStore
+CertStore.from_store(Path("~/.mitmproxy").expanduser(), "mitmproxy", 2048)'
+
 # Most tests wait on real servers, so they run in parallel: one worker per core and one
 # more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers
 # start once. The few marked `alone` take real system RAM, which every proxy's watcher

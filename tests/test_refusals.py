@@ -1,8 +1,10 @@
 """Before the first byte, as the common gateways behave: a busy server's refusal (408,
 429, 503, with or without Retry-After) sends the request to the next server and keeps new
 requests away from it for the header's time; a prompt too long for a server's context
-goes to one with more room; with nowhere else to go, a short Retry-After is waited out,
-and otherwise the client gets the server's own refusal, as it sent it. The busy servers
+goes to one with more room; a short Retry-After from the primary (within
+spillover_busy_wait_s) is waited out there first, exactly as long as it asks; with
+nowhere else to go, a short one is waited out too, and otherwise the client gets the
+server's own refusal, as it sent it. The busy servers
 are scripted stand-ins (no real engine refuses on demand); the context refusals are
 llama-server's own (vLLM's: tests/test_vllm.py)."""
 
@@ -59,12 +61,14 @@ def test_a_busy_server_sends_the_request_on_and_new_ones_start_elsewhere(
     busy.close()
 
 
+RIVER = chunked(
+    sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(finish="length"),
+    b"data: [DONE]\n\n",
+)  # fmt: skip
+
+
 def test_with_nowhere_else_a_short_retry_after_is_waited_out(start_proxy) -> None:
-    answer = chunked(
-        sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(finish="length"),
-        b"data: [DONE]\n\n",
-    )  # fmt: skip
-    busy = FakeUpstream([(refusal(429, 1), 0)], later=[(STREAM_HEAD + answer + b"0\r\n\r\n", 0)])
+    busy = FakeUpstream([(refusal(429, 1), 0)], later=[(STREAM_HEAD + RIVER + b"0\r\n\r\n", 0)])
     proxy = start_proxy(busy.url, [])
     proxy.servers_known()
     started = time.monotonic()
@@ -73,7 +77,32 @@ def test_with_nowhere_else_a_short_retry_after_is_waited_out(start_proxy) -> Non
     assert_one_clean_stream(stream)
     assert stream.text == " the river" and stream.notes == []  # as if it never refused
     assert len(busy.requests) == 2 and waited >= 1.0
-    assert 'spillover_refusals_total{kind="retried"} 1.0' in metrics(proxy)
+    assert 'spillover_refusals_total{kind="waited"} 1.0' in metrics(proxy)
+    busy.close()
+
+
+@pytest.mark.parametrize("wait_s", [0, 2])
+def test_a_short_retry_after_from_the_primary_is_waited_out_there_before_the_fallback(
+    wait_s: int, start_proxy, fallback: LlamaServer
+) -> None:
+    """The primary is the model the client came for: a 429 asking for 1 s is waited out
+    (no longer than it asks) and the answer is the primary's, the fallback never asked.
+    With spillover_busy_wait_s=0 the request goes to the fallback at once."""
+    busy = FakeUpstream([(refusal(429, 1), 0)], later=[(STREAM_HEAD + RIVER + b"0\r\n\r\n", 0)])
+    proxy = start_proxy(busy.url, [fallback.url], options=[f"spillover_busy_wait_s={wait_s}"])
+    proxy.servers_known()
+    started = time.monotonic()
+    stream = read_stream(proxy.url, chat_body(2))
+    waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    if wait_s:
+        assert stream.text == " the river" and stream.notes == []  # as if it never refused
+        assert len(busy.requests) == 2 and 1.0 <= waited < 1.9
+        assert 'spillover_refusals_total{kind="waited"} 1.0' in metrics(proxy)
+    else:
+        assert stream.text == direct_text(fallback.url, 2)
+        assert "HTTP 429 from" in stream.notes[0] and len(busy.requests) == 1
+        assert waited < 1.0
     busy.close()
 
 

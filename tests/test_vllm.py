@@ -73,16 +73,17 @@ def vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
 
 
 def vllm_continuation(url: str, before: str, max_tokens: int) -> str:
-    """vLLM's own continuation of `before`, asked directly, the way it continues one."""
-    body = {
-        "model": SERVED_NAME,
-        "messages": [*PROMPT, {"role": "assistant", "content": before}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        **FINAL,
-    }
-    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
-    return reply["choices"][0]["message"]["content"]
+    """vLLM's own continuation of what the model saw and wrote, computed directly: its
+    token ids of the question (its template, generation prompt on), their text, then
+    `before`, as its text route reads them."""
+    asked = {"model": SERVED_NAME, "messages": PROMPT, "add_generation_prompt": True}
+    saw = httpx.post(f"{url}/tokenize", json=asked).json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"model": SERVED_NAME, "tokens": saw}).json()
+    truth = {"model": SERVED_NAME, "prompt": text["prompt"] + before, "add_special_tokens": False}
+    ids = httpx.post(f"{url}/tokenize", json=truth).json()["tokens"]
+    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    return reply["choices"][0]["text"]
 
 
 def prompt_count(url: str, messages: list[dict[str, str]], **fields: bool) -> int:
@@ -513,25 +514,6 @@ def test_a_prompt_too_long_for_vllm_goes_to_a_server_with_more_room(
     assert stream.text == direct_text(roomy.url, 20, messages=question)
 
 
-def test_a_killed_vllm_primary_is_continued_by_llama_server(
-    start_proxy, vllm: VllmServer, fallback: LlamaServer
-) -> None:
-    """Last in this module: it kills the module's vLLM. Both serve the same weights (the
-    fallback GGUF and its HF copy); the text after the cut is llama-server's own
-    continuation of what the client had."""
-    proxy = start_proxy(vllm.url, [fallback.url])
-    known = proxy.servers_known()
-    assert known[vllm.url]["engine"] == "vllm"
-    stream = read_stream(
-        proxy.url, chat_body(LONG, model=SERVED_NAME), on_chunk=lambda n: n == 20 and vllm.kill()
-    )
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert f"{vllm.url} -> {fallback.url}" in note
-    before, after = stream.segments
-    assert before and after == continuation(fallback.url, before, LONG - stream.segment_tokens[0])
-
-
 def test_every_real_template_on_vllm_continues_what_the_model_saw_or_refuses(
     vllm: VllmServer, capsys
 ) -> None:
@@ -641,3 +623,22 @@ async def _vllm_verdict(
     if (said := await text(read)) != truth:
         return "wrong", seen.parting(said, truth) or ""
     return way, ""
+
+
+def test_a_killed_vllm_primary_is_continued_by_llama_server(
+    start_proxy, vllm: VllmServer, fallback: LlamaServer
+) -> None:
+    """Last in this module: it kills the module's vLLM. Both serve the same weights (the
+    fallback GGUF and its HF copy); the text after the cut is llama-server's own
+    continuation of what the client had."""
+    proxy = start_proxy(vllm.url, [fallback.url])
+    known = proxy.servers_known()
+    assert known[vllm.url]["engine"] == "vllm"
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model=SERVED_NAME), on_chunk=lambda n: n == 20 and vllm.kill()
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"{vllm.url} -> {fallback.url}" in note
+    before, after = stream.segments
+    assert before and after == continuation(fallback.url, before, LONG - stream.segment_tokens[0])

@@ -2,7 +2,11 @@
 to another server, and when a busy server that is the only one left is asked again.
 
 A busy server (408, 429, 503) is marked so for its Retry-After, and new requests start
-elsewhere meanwhile; a request it refused goes to the next server with room. One whose
+elsewhere meanwhile. A request the primary refused so, asking for a wait within the
+owner's budget (`spillover_busy_wait_s`), waits exactly that long and is asked there
+again, once: the primary is the model the client came for, and a short wait costs less
+than an answer from a smaller one. Otherwise a request a server refused goes to the next
+server with room. One whose
 context is too small for the prompt passes the request to a server with more room, or
 room not known. Where no other server can take it and the busy one asked for a short
 wait, it is asked again after that wait, jittered, a few times at most; otherwise the
@@ -26,13 +30,19 @@ from addon.formats.wire import Header
 from addon.servers import refusals
 from addon.servers.upstream import Upstream
 
-SHORT_WAIT_S = 5.0  # the longest Retry-After waited out here
+SHORT_WAIT_S = 5.0  # the longest Retry-After waited out where no other server is left
 RETRIES = 2
 CALM = ("ok", "unknown")  # router states in which a primary's 5xx is asked again
 log = logging.getLogger(__name__)
 
 
 def add_refusal_options(loader: Any) -> None:
+    loader.add_option(
+        "spillover_busy_wait_s", int, 3,
+        "When the primary refuses a request as busy (408, 429, 503) with a Retry-After of "
+        "at most this many seconds, wait that long and ask it once more before going to a "
+        "fallback (0: go at once).",
+    )  # fmt: skip
     loader.add_option(
         "spillover_retry_5xx", bool, True,
         "Ask the primary once more when it fails a request with a server error before "
@@ -50,6 +60,7 @@ class EarlyRefusals:
         self._server_error: int | None = None  # this leg's 5xx status
         self._retries = 0
         self._asked_again = False  # a server error was asked again on the primary
+        self._waited = False  # a busy primary's Retry-After was waited out
 
     def new_leg(self) -> None:
         self.busy_wait = self._server_error = None
@@ -85,6 +96,19 @@ class EarlyRefusals:
             )
             return f"HTTP {status} from {url}: the prompt does not fit its context"
         return None
+
+    def wait_for_primary(self, upstream: Upstream, started: bool) -> float | None:
+        """How long to wait before asking the busy primary again, before any other
+        server: exactly its Retry-After, once, where that is within the owner's budget
+        (None: go on down the ladder)."""
+        wait, budget = self.busy_wait, self._fleet.busy_wait_s
+        if started or wait is None or self._waited or upstream != self._ladder[0]:
+            return None
+        if wait > budget:
+            return None
+        self._waited = True
+        self._fleet.router.refused("waited")
+        return wait
 
     def retry_soon(self, started: bool) -> float | None:
         """How long to wait before asking the busy server again, when nothing has gone

@@ -43,6 +43,7 @@ class Fleet:
         self.exact = True  # token-exact replay where the servers share a tokenizer
         self.pace = PaceLimits()
         self.retry_server_errors = True  # a primary's 5xx is asked once more (answer/early.py)
+        self.busy_wait_s = 3.0  # a busy primary's Retry-After waited out up to this
 
     def question_headers(self, url: str) -> dict[str, str]:
         return self.credentials.question_headers(url)
@@ -94,7 +95,7 @@ class Fleet:
             info.continues_by == OWN_RENDERING.name and info.trailing_left_open
         )
         # A chat answer's prompt is compared with the truth on llama-server each time.
-        checked = dialect == "chat" and info.engine in RENDERS_ON_ASKING
+        checked = dialect == "chat" and info.engine in RENDERS_ON_ASKING and info.proof == "engine"
         return (
             info.continues is True
             and (by_message or dialect == "chat")

@@ -239,6 +239,14 @@ class Splice:
                 return
             if kind == "failure" and await self._early.ask_again_here(self.current, client.started):
                 continue
+            if (
+                kind == "failure"
+                and (wait := self._early.wait_for_primary(self.current, client.started)) is not None
+            ):
+                log.info("%s is asked again in %.2f s, as it asked", self.current.url, wait)
+                await asyncio.sleep(wait)
+                self._rungs.failed.discard(self._rungs.at)
+                continue
             if target is None:
                 target = self._rungs.after_failure()
             if target is None and (wait := self._early.retry_soon(client.started)) is not None:
@@ -407,7 +415,13 @@ class Splice:
                 if response.status in NOT_SERVED and upstream != self.primary:
                     return f"{upstream.url} does not serve {path} (HTTP {response.status})"
                 if client.started:
-                    return f"HTTP {response.status} from {upstream.url}"
+                    # A continuation refused (a server that takes no partial answer says
+                    # so with a 4xx): its own words go into the reason.
+                    said = await response.read_all() if response.status < 500 else b""
+                    words = said[:200].decode(errors="replace").strip()
+                    return f"HTTP {response.status} from {upstream.url}" + (
+                        f": {words}" if words else ""
+                    )
                 said, head = await response.read_all(), list(response.headers)
                 refusal = (response.status, head, said, response.reason)
                 if (elsewhere := self._early.elsewhere(upstream, refusal)) is not None:

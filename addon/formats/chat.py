@@ -29,6 +29,7 @@ from addon.formats.dialect import (
     read_payloads,
 )
 from addon.formats.sizes import bound
+from addon.formats.startover import NotAContinuation
 from addon.formats.toolcalls import ToolCallHold, calls_chunk
 from addon.formats.transcript import (
     LOGPROBS_COUNTED,
@@ -89,7 +90,10 @@ class ChatReader:
             return f"in-band error from {self.server}: {error_text(chunk['error'])}"
         changed = self.rewriter is not None
         if self.rewriter is not None:
-            chunk = self.rewriter.rewrite(chunk)
+            try:
+                chunk = self.rewriter.rewrite(chunk)
+            except NotAContinuation as why:
+                return str(why)
             if chunk is None:
                 return []
         pieces, made = None, None

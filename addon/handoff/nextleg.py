@@ -9,6 +9,7 @@ from typing import Any
 from addon.formats.continuation import prefill_of
 from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
+from addon.formats.startover import StartOverGuard
 from addon.formats.transcript import Transcript
 from addon.handoff import vllm
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
@@ -23,6 +24,7 @@ from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
+UNPROVEN = {"behaviour": "proven by its behaviour only", "declared": "declared, not proven"}
 
 
 def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
@@ -74,6 +76,7 @@ class NextLeg:
         the timings of its first token (what it took from its cache, what it read)."""
         try:
             path, body, rewriter, handoff.replay = await self.continuation(upstream)
+            handoff.proof = self._unproven(upstream) if handoff.replay else None
         except CannotContinue as why:
             return str(why)
         if handoff.replay and seeded_sampling(self.body):
@@ -107,10 +110,20 @@ class NextLeg:
                 raise CannotContinue(UNSEEN.format(self.transcript.unseen))
             path, body, rewriter = self._chat_leg(upstream, self._text_continuation(upstream))
             replay = "text" if self.transcript.content or self.transcript.reasoning else None
+            if replay and (proof := self._unproven(upstream)) is not None:
+                replay += f", {UNPROVEN[proof]}"
+                if self.dialect.name == "chat" and self.transcript.content:
+                    rewriter = StartOverGuard(rewriter, self.transcript.text, upstream.url)
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         return path, body, rewriter, replay
+
+    def _unproven(self, upstream: Upstream) -> str | None:
+        """How `upstream` is known to continue where its engine cannot say what it reads
+        ("behaviour" or "declared"); None where it can."""
+        proof = self._servers.get(upstream).proof if self._servers else None
+        return proof if proof in UNPROVEN else None
 
     def _terms(self, upstream: Upstream) -> Terms | None:
         """`upstream`'s engine's terms for what its model reads, where it can say them
@@ -124,6 +137,8 @@ class NextLeg:
         if not (self.transcript.content or self.transcript.reasoning):
             return None
         info, url = servers.get(upstream), upstream.url
+        if info.proof != "engine":
+            return None  # its engine's routes did not prove it: they may be hidden
         if info.engine in RENDERS_ON_ASKING:
             render = lambda chat: servers.rendering(upstream, chat)  # noqa: E731
             return LlamaServerTerms(url, info.model, self.body, self.transcript,

@@ -70,6 +70,9 @@ class Handoff:
     kind: str
     pause_ms: float | None = None
     replay: str | None = None  # "token ids" or "text"; None while nothing was delivered
+    # How the target is known to continue, where its engine cannot say what it reads:
+    # "behaviour" or "declared" (ServerInfo.proof); None: its engine's own routes.
+    proof: str | None = None
     caveat: str | None = None  # a promise of the request this handoff cannot keep
     # Pressure handoffs: how long before the decision the reading that crossed the line
     # was taken, and the last reading under it (the memory was taken within that time).

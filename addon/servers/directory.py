@@ -31,6 +31,7 @@ from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
 from addon.servers.credentials import Credentials
+from addon.servers.declared import declare
 from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
 from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
@@ -69,6 +70,7 @@ class ServerDirectory(PromptQuestions):
         self._reasks: set[asyncio.TimerHandle] = set()
         self._named: dict[str, str] = {}  # server -> the model it is asked in
         self._template_files: dict[str, str] = {}  # server -> its model's template file
+        self._declared: dict[str, str] = {}  # server -> how its operator says it continues
         self.templates: dict[Upstream, ChatTemplate] = {}
         # Servers whose last check before a continuation could not be answered.
         self.unverified: set[Upstream] = set()
@@ -86,6 +88,12 @@ class ServerDirectory(PromptQuestions):
         GGUF or a tokenizer_config.json), for a text completion continuation."""
         self._forget(_changed(self._template_files, files), running)
         self._template_files = dict(files)
+
+    def declare_ways(self, ways: dict[str, str], running: bool) -> None:
+        """These servers continue the way their operator says (spillover_continue_by:
+        servers/declared.py), whatever the check finds."""
+        self._forget(_changed(self._declared, ways), running)
+        self._declared = dict(ways)
 
     def _forget(self, servers: set[str], running: bool) -> None:
         """What was learned of these servers is asked again (once running, now)."""
@@ -222,7 +230,7 @@ class ServerDirectory(PromptQuestions):
         if info.engine == ROUTER:
             info.slot_context = await self._routed_context(info, upstream, generate)
 
-        if props is None and models is None:
+        if props is None and models is None and not generate:
             info.continues_why = "not checked: it answered neither /props nor /v1/models"
         else:
             try:
@@ -234,11 +242,16 @@ class ServerDirectory(PromptQuestions):
                 info.continues_by = found.continuer.name if found.continuer else None
                 info.trims_whitespace = found.trims
                 info.trailing_left_open = found.left_open
+                info.echoes_prefill = found.echoes
+                if found.continues:
+                    info.proof = "behaviour" if found.by_behaviour else "engine"
                 if found.template is not None:  # as its text route is to be given it
                     self.templates[upstream] = found.template
                 info.settled = True  # it answered: not asked again
             except proof.ERRORS as exc:
                 info.continues_why = f"not checked: {proof.failed(exc)}"
+        if (way := self._declared.get(upstream.url)) is not None:
+            declare(upstream.url, info, way)
         # Known from here on: a handoff soon after start-up may go there already. The
         # rest fills in as it is answered.
         self.info[upstream] = info
@@ -246,7 +259,7 @@ class ServerDirectory(PromptQuestions):
             info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             unanswered(upstream, info, "/tokenize", exc)
-        if generate:
+        if generate and info.echoes_prefill is None:
             try:
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
                 info.echoes_prefill = await self._echoes(
@@ -257,7 +270,11 @@ class ServerDirectory(PromptQuestions):
         if self.slot_dir is not None:
             info.fingerprint = await self._fingerprint(upstream, self.slot_dir)
         info.asked = True
-        if info.engine in RENDERS_ON_ASKING and info.continues_by == TRAILING_MESSAGE.name:
+        if (
+            info.engine in RENDERS_ON_ASKING
+            and info.continues_by == TRAILING_MESSAGE.name
+            and info.proof == "engine"
+        ):
             # Last: renderings take no slot, so they never share a batch with a handoff's
             # first continuation the way a question that generates would.
             try:

@@ -38,6 +38,12 @@ class ServerInfo:
     # Its trailing message renders otherwise than the model saw, but leaves the message
     # open (proof.py): other APIs' answers, which are not compared, may go on there.
     trailing_left_open: bool = False
+    # How it is known to continue: "engine" (its own routes say what it reads, or count
+    # it), "behaviour" (a probe through its chat route alone: servers/behaviour.py) or
+    # "declared" (its operator's word, spillover_continue_by, not proven).
+    proof: str | None = None
+    declared: str | None = None  # the way its operator declared
+    probe_disagrees: str | None = None  # what the check found where it was declared
     settled: bool = False  # it answered; what is not known by now is not asked again
     asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None

@@ -19,7 +19,9 @@ prompt, as it counts it, must grow by the message's own tokens when one is added
 that way (two of different lengths: the longer by exactly the difference, so it was
 read, and neither by more, so no turn was closed after it; less is the part of the
 generation prompt, such as an opened `<think>`, that the open message replaces). A
-server that cannot be checked continues nothing.
+server that cannot be checked continues nothing. A server none of whose engine routes
+are known (a hosted API, a gateway) is checked by how it behaves through its chat route
+alone (servers/behaviour.py), when it is a fallback.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from addon.formats.continuers import (
 from addon.formats.rendering import parting_at
 from addon.formats.shape import mapping
 from addon.formats.template import ChatTemplate, NoTemplate
+from addon.servers.behaviour import behaviour
 from addon.servers.engines import ROUTER, token_count, tokenize_request
 
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
@@ -66,6 +69,10 @@ class Proof:
     # llama-server whose trailing message is not the truth still leaves it open (its text
     # last): what other APIs' continuations, which cannot be compared, are held to.
     left_open: bool = False
+    # Known from how it behaved through its chat route alone (servers/behaviour.py): a
+    # continuation there is checked by its first words only (formats/startover.py).
+    by_behaviour: bool = False
+    echoes: bool | None = None  # it echoes a prefill, where the proof saw it
 
 
 async def continues(
@@ -77,7 +84,30 @@ async def continues(
 ) -> Proof:
     """Whether the server continues a partial assistant message, how, and why that is
     known; `template`: its model's chat template, where the addon has it (for the text
-    completion way). Raises what a question raised (ERRORS)."""
+    completion way). Its engine's routes are asked; where they are hidden (a gateway or
+    a relay that lets only the OpenAI routes through answers 404), a fallback is judged
+    by how it behaves instead. Raises what a question raised (ERRORS)."""
+    try:
+        return await _by_engine(ask, engine, model, may_generate, template)
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code not in HIDDEN or not may_generate:
+            raise
+        found = await _by_behaviour(ask, model)
+        return replace(found, why=f"its {engine} routes are hidden ({failed(exc)}); {found.why}")
+
+
+HIDDEN = (404, 405)  # what a route a relay does not let through answers
+
+
+async def _by_behaviour(ask: Ask, model: str | None) -> Proof:
+    found = await behaviour(ask, model)
+    way = TRAILING_MESSAGE if found.continues else None
+    return Proof(found.continues, found.why, way, by_behaviour=True, echoes=found.echoes)
+
+
+async def _by_engine(
+    ask: Ask, engine: str, model: str | None, may_generate: bool, template: ChatTemplate | None
+) -> Proof:
     if engine == "llama-server":
         return await _rendered_open(ask, None)
     if not may_generate:
@@ -86,7 +116,7 @@ async def continues(
     if engine == ROUTER:
         return await _rendered_open(ask, model)
     if tokenize_request(engine, "") is None:
-        return Proof(None, f"not checked: {engine} has no tokenize route known to the addon")
+        return await _by_behaviour(ask, model)  # nothing to ask but its chat route
     counted = [await _tokens(ask, engine, text) for text in ("", PARTIAL, LONGER, SPACED)]
     alone = _prompt_tokens(await ask("/v1/chat/completions", _probe([USER], model)))
     own = [n for n in counted if n is not None]

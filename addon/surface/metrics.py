@@ -49,6 +49,14 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.continuations = Counter(
+            "spillover_continuations",
+            "Continuations that reached the client, by how their server is known to "
+            "continue: engine (its own routes), behaviour (a probe through its chat route), "
+            "declared (its operator's word, not proven).",
+            ["proof"],
+            registry=self.registry,
+        )
         self._status = status
         self.registry.register(self)
         # Each handoff as it is decided (one whose next leg failed included, as counted);
@@ -64,6 +72,8 @@ class Metrics:
                 self.detection.observe(handoff.detected_within_ms / 1000)
         else:
             self.pause.observe(handoff.pause_ms / 1000)
+            if handoff.replay is not None:
+                self.continuations.labels(handoff.proof or "engine").inc()
             if handoff.migration is not None:
                 self.migrations.labels(handoff.migration.outcome).inc()
 

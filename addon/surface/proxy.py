@@ -22,6 +22,7 @@ from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
 from addon.servers.addresses import same_server
 from addon.servers.credentials import Credentials, parse_keys, url_pairs
+from addon.servers.declared import parse_ways
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
@@ -96,6 +97,14 @@ class Spillover:
             "its /v1/completions when its chat route cannot (a llama-cpp-python server's "
             "own GGUF is found without it).",
         )  # fmt: skip
+        loader.add_option(
+            "spillover_continue_by", str, "",
+            "Comma-separated URL=WAY pairs: how a server the addon cannot prove (a hosted "
+            "API, LM Studio, a gateway) continues a partial answer, by its operator's word: "
+            "message (a trailing assistant message), message-echoed (the same, repeated "
+            "back first) or final-message (with continue_final_message). Used by text "
+            "only, each continuation's first words checked; said as declared, not proven.",
+        )  # fmt: skip
         add_pace_options(loader)
         add_refusal_options(loader)
         add_shadow_options(loader)
@@ -122,6 +131,7 @@ class Spillover:
         fleet, options, running = self.fleet, ctx.options, self._loop is not None
         fleet.exact, fleet.pace = options.spillover_exact_replay, limits_from(options)
         fleet.retry_server_errors = options.spillover_retry_5xx
+        fleet.busy_wait_s = max(0, options.spillover_busy_wait_s)
         if updated & {"spillover_shadow_max", "spillover_shadow_every"}:
             fleet.shadows.budget.limit = options.spillover_shadow_max
             fleet.shadows.budget.every = max(1, options.spillover_shadow_every)
@@ -142,6 +152,8 @@ class Spillover:
         if "spillover_templates" in updated:
             files = url_pairs(options.spillover_templates, "spillover_templates", "FILE")
             fleet.servers.name_templates(files, running)
+        if "spillover_continue_by" in updated:
+            fleet.servers.declare_ways(parse_ways(options.spillover_continue_by), running)
         if "spillover_fallbacks" in updated:
             fleet.use_fallbacks(options.spillover_fallbacks.split(","), running)
 

@@ -1,0 +1,74 @@
+"""The check a continuation gets where its server cannot be asked what it reads (a server
+proven by its behaviour, or declared by its operator): its first words are held until
+they show it went on with the answer, and not started it over (its first words are the
+answer's first words again) or opened a new turn (a chat template's turn marker in the
+text). Either ends the leg before any of it reaches the client, with the reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from addon.formats.dialect import Rewriter
+
+COMPARED = 12  # characters of the answer's start a continuation must not begin with
+TURN_MARKERS = (
+    "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_id|>", "<start_of_turn>",
+    "<end_of_turn>", "<|assistant|>", "<|user|>", "<|end|>", "[INST]", "</s>",
+)  # fmt: skip
+
+
+class NotAContinuation(Exception):
+    """A continuation leg's text shows it is not the answer going on; the message says why."""
+
+
+class StartOverGuard:
+    """Wraps a chat continuation's rewriter: chunks are held until the leg's text is long
+    enough to judge (or the leg ends), then let out as one. Raises NotAContinuation."""
+
+    def __init__(self, rewriter: Rewriter, answer: str, server: str) -> None:
+        self._rewriter = rewriter
+        self._opening = answer.lstrip()[:COMPARED]
+        self._server = server
+        self._held: list[dict[str, Any]] = []
+        self._text = ""
+        self._decided = len(self._opening) < COMPARED  # too little answer to compare with
+
+    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        chunk = self._rewriter.rewrite(chunk)
+        if self._decided or chunk is None:
+            return chunk
+        choices = chunk.get("choices") or []
+        self._text += _text(chunk)
+        self._held.append(chunk)
+        ended = any(c.get("finish_reason") is not None for c in choices) or "usage" in chunk
+        if (marker := next((m for m in TURN_MARKERS if m in self._text), None)) is not None:
+            raise NotAContinuation(
+                f"{self._server} opened a new turn instead of going on ({marker!r} in "
+                f"{self._text[:60]!r})"
+            )
+        if len(self._text.lstrip()) < COMPARED and not ended:
+            return None
+        if self._text.lstrip().startswith(self._opening):
+            raise NotAContinuation(
+                f"{self._server} started the answer over instead of going on (it wrote "
+                f"{self._text[:60]!r})"
+            )
+        self._decided = True
+        return _joined(self._held)
+
+
+def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held chunks as one: the last one's envelope, finish and usage, every text."""
+    last = chunks[-1]
+    text = "".join(
+        (c.get("delta") or {}).get("content") or ""
+        for chunk in chunks
+        for c in chunk.get("choices") or []
+    )
+    choices = last.get("choices") or [{"index": 0, "delta": {}, "finish_reason": None}]
+    first = {**choices[0], "delta": {**(choices[0].get("delta") or {}), "content": text}}
+    return {**last, "choices": [first, *choices[1:]]}
+
+
+def _text(chunk: dict[str, Any]) -> str:
+    return "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or [])

@@ -1,0 +1,46 @@
+"""A plain relay in front of a real server that lets only the OpenAI routes through, as a
+gateway or a hosted API shows a server: HAProxy (a real component, as in front of the
+workers) answering 404 for everything else (`/props`, `/tokenize`, `/apply-template`,
+`/slots`, llama-cpp-python's `/extras/...`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from scripts.testbed.processes import ManagedProcess
+from scripts.workers.pool import haproxy_binary
+
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+
+CONFIG = """global
+    maxconn 256
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+frontend relay
+    bind 127.0.0.1:{port}
+    acl openai path {routes}
+    http-request return status 404 content-type text/plain string "not found" unless openai
+    default_backend server
+backend server
+    server only {address}
+"""
+
+
+class Relay(ManagedProcess):
+    name = "relay"
+    health_path = "/v1/models"  # (llama-cpp-python has no /health)
+
+    def __init__(self, target: str, log_dir: Path | None = None) -> None:
+        super().__init__(None, log_dir)
+        self.target = urlsplit(target)
+        self.config = self.log_path.with_suffix(".cfg")
+
+    def argv(self) -> list[str]:
+        address = f"{self.target.hostname}:{self.target.port}"
+        routes = " ".join(OPENAI_ROUTES)
+        self.config.write_text(CONFIG.format(port=self.port, routes=routes, address=address))
+        return [haproxy_binary(), "-db", "-f", str(self.config)]
