@@ -6,6 +6,7 @@
     spillover run --primary URL --transparent       (clients keep the primary's URL)
     spillover run --primary URL --transparent --workers 4
     spillover status [--proxy URL]
+    mitmweb -s "$(spillover addon-path)" --mode reverse:URL@8090   (the addon, by hand)
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
 `run` starts mitmdump with the addon in front of the primary, so a person need not know
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     state = commands.add_parser("status", help="what the proxy knows now (GET /spillover/status)")
     state.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
     state.add_argument("--token", help="the control token, for a proxy on another machine")
+    commands.add_parser("addon-path", help="print the addon's file, for mitmdump -s or mitmweb -s")
     for name, (_, said) in TOOLS.items():
         commands.add_parser(name, help=said, add_help=False)
     if argv and argv[0] in TOOLS:
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     if args.command == "status":
         sys.exit(status(args.proxy, args.token))
+    if args.command == "addon-path":
+        print(ADDON)
+        return
     if extra and extra[0] != "--":
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
     if args.primary is None and args.confdir is None:

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.testbed.processes import ManagedProcess
+from scripts.processes import ManagedProcess
 
 CONNECT_TIMEOUT_S = 2.0
 READ_SIZE = 65536

@@ -19,7 +19,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from scripts.testbed.memfiles import mem_available_mib
+from watchers.meminfo import MeminfoSource
+from watchers.reading import Reading
 
 MIB = 1024 * 1024
 PAGE = mmap.PAGESIZE
@@ -43,7 +44,9 @@ class RamHog:
         self._maps.clear()
 
     def describe(self) -> str:
-        return f"ram: {mem_available_mib():,.0f} MiB available"
+        (reading,) = MeminfoSource().read()
+        assert isinstance(reading, Reading) and reading.total_mib is not None
+        return f"ram: {reading.total_mib - reading.used_mib:,.0f} MiB available"
 
 
 P = ctypes.POINTER

@@ -13,7 +13,7 @@ from pathlib import Path
 def test_the_demo_shows_a_pressure_and_a_failure_handoff_and_cleans_up() -> None:
     before = set(Path(tempfile.gettempdir()).glob("spillover-demo-*"))
     run = subprocess.run(
-        [sys.executable, "-m", "scripts.demo", "--fast"],
+        [sys.executable, "-m", "scripts.testbed.demo", "--fast"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

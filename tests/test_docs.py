@@ -43,12 +43,12 @@ def test_the_manual_builds_in_strict_mode(tmp_path: Path) -> None:
 
 
 def test_the_handoff_timeline_is_drawn_from_a_real_run(tmp_path: Path) -> None:
-    """`scripts.timeline` runs two llama-servers and the addon, steps the primary's card,
+    """`scripts.testbed.timeline` runs two llama-servers and the addon, steps the primary's card,
     and draws what the client read: both servers' tokens, the memory step, the decision
     and the pause."""
     out = tmp_path / "timeline.svg"
     run = subprocess.run(
-        [sys.executable, "-m", "scripts.timeline", "--out", str(out)],
+        [sys.executable, "-m", "scripts.testbed.timeline", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

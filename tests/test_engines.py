@@ -18,13 +18,13 @@ import httpx
 import openai
 import pytest
 
-from scripts.replay import read_flows
+from scripts.processes import free_port
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaRouter, LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
-from scripts.testbed.processes import free_port
 from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.replay import read_flows
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 
 LONG = 300

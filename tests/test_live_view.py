@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.termshot import COLOURS, svg_of_screen
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import REPO, watch_sysfs
+from scripts.testbed.termshot import COLOURS, svg_of_screen
 from scripts.watch import handoff_lines
 from tests.docpictures import keep_for_docs
 from tests.streams import assert_one_clean_stream, chat_body, read_stream

@@ -39,7 +39,7 @@ def chromium() -> str | None:
 
 
 def flows_file(path: Path) -> Path:
-    """A real recorded session (scripts/record.py): a requested handoff, its legs and the
+    """A real recorded session (scripts/testbed/record.py): a requested handoff, its legs and the
     questions the addon asked its servers."""
     shutil.copyfile(RECORDINGS / "requested.mitm", path)
     return path

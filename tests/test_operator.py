@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from addon.surface.mistakes import unknown_options
+from scripts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
-from scripts.testbed.processes import free_port
 from tests.streams import chat_body, read_stream
 
 

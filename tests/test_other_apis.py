@@ -25,11 +25,11 @@ import pytest
 from addon.formats.chat import Chat
 from addon.formats.messages import Messages
 from addon.formats.responses import Responses
+from scripts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
 from scripts.testbed.ollama_upstream import OllamaUpstream
-from scripts.testbed.processes import free_port
 from scripts.testbed.prompts import PROMPT
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked
 from scripts.testbed.tinymodels import reasoning_template

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mitmproxy import io
 
-from scripts.replay import read_flows, replay_file
 from scripts.testbed.mitm import ADDON
+from scripts.testbed.replay import read_flows, replay_file
 
 RECORDINGS = sorted((Path(__file__).resolve().parent.parent / "recordings").glob("*.mitm"))
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.processes import free_port
 from scripts.testbed.mitm import REPO
-from scripts.testbed.processes import free_port
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import chat_body
 

@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
+from scripts.processes import ManagedProcess
 from scripts.testbed import llamacpppython
 from scripts.testbed.llamabin import BUILD_VARIANTS, built_binary_path
 from scripts.testbed.llamaserver import LlamaServer, ServerFailed, running
-from scripts.testbed.processes import ManagedProcess
 from scripts.testbed.tinymodels import PRESETS, build_vocab, write_model
 from scripts.testbed.trial import EngineUnusable, first_build_that_runs, generates
 

@@ -29,11 +29,11 @@ import pytest
 
 from addon.surface.nftables import owner_tables_work
 from scripts.doctor import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
+from scripts.processes import ServerFailed, free_port
 from scripts.testbed import netns
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, SERVER_ADDRESS6, Netns
-from scripts.testbed.processes import ServerFailed, free_port
 from scripts.testbed.prompts import chat_body
 from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.conftest import SHADOW_OFF

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.processes import free_port
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import REFUSAL, OpenAIUpstream
-from scripts.testbed.processes import free_port
 from scripts.testbed.prompts import PROMPT, chat_body
 from scripts.testbed.relay import Relay
 from scripts.testbed.workers import haproxy_missing

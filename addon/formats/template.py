@@ -134,7 +134,13 @@ def _token(value: Any) -> str:
 
 
 def _from_gguf(path: Path) -> ChatTemplate:
-    from gguf import GGUFReader  # numpy behind it: only where a GGUF is read
+    try:
+        from gguf import GGUFReader  # numpy behind it: an extra, for this path only
+    except ImportError:
+        raise NoTemplate(
+            f"reading the template in {path} needs the gguf package: pip install "
+            "'spillover[gguf]', or name the model's tokenizer_config.json instead"
+        ) from None
 
     try:
         fields = GGUFReader(path).fields

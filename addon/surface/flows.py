@@ -3,7 +3,7 @@ own, and what a spliced answer's own flow says of its handoffs.
 
 The client's flow shows the stitched answer; the legs behind it and the questions asked
 at start-up become flows next to it, so mitmweb shows them and `-w` records them.
-`scripts/replay.py` serves them back.
+`scripts/testbed/replay.py` serves them back.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.ollama_upstream import OllamaUpstream
-from scripts.testbed.processes import running
 from scripts.testbed.prompts import PROMPT
 from scripts.testbed.tinymodels import ensure_models
 

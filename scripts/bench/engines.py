@@ -17,9 +17,9 @@ import json
 import httpx
 
 from scripts.bench.apis import command_line, pause, side_by_side, timed
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import ensure_models
 from scripts.testbed.vllmserver import SERVED_NAME, VllmServer, hf_copy
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 
 from scripts.bench.routing import percentiles, reroute_times
+from scripts.processes import running
 from scripts.testbed.fleet import NodeExporter, Prometheus
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import ensure_models
 
 SCRAPE_S = 1.0

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 
 from scripts.bench.shadow import CONTROL, body, erase, prompt_of
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import BENCH_PRESETS, ensure_model
 
 CONTEXTS = (512, 2048, 7000)

@@ -24,10 +24,10 @@ import httpx
 
 from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.processes import running
 from scripts.testbed.prompts import chat_body
 from scripts.testbed.tinymodels import ensure_models
 from watchers.gates import CardMap

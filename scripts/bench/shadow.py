@@ -31,9 +31,9 @@ from pathlib import Path
 
 import httpx
 
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import BENCH_PRESETS, PRESETS, ensure_model
 
 CONTROL = httpx.Client(timeout=60)

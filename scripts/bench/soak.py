@@ -54,11 +54,11 @@ import httpx
 
 from scripts.bench.soaktally import Left, Seen, Tally, report
 from scripts.guard import GuardProcess
+from scripts.processes import running
 from scripts.testbed import victims
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import REPO, Mitmdump, watch_sysfs
-from scripts.testbed.processes import running
 from scripts.testbed.prompts import PROMPT, chat_body
 from scripts.testbed.tinymodels import ensure_models
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.testbed.processes import _die_with_parent
+from scripts.processes import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -145,7 +145,7 @@ class Hog:
             stderr=self.log,
             cwd=REPO,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": uuid},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -33,8 +33,8 @@ class ProofBed:
         dwell: int,
         fallback_binary: Path | None = None,
     ) -> None:
+        from scripts.processes import ServerFailed
         from scripts.testbed.mitm import Mitmdump
-        from scripts.testbed.processes import ServerFailed
 
         self.models, self.uuid, self.work = models, uuid, work
         self.flows = work / "flows.mitm"

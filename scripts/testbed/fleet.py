@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from scripts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.debian import apt_install
-from scripts.testbed.processes import ManagedProcess, ServerFailed
 
 NODE_EXPORTER = "prometheus-node-exporter"
 PROMETHEUS = "prometheus"

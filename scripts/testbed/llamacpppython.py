@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.processes import ManagedProcess
 from scripts.testbed.llamabin import BUILD_VARIANTS, CACHE, cpu_key
-from scripts.testbed.processes import ManagedProcess
 from scripts.testbed.trial import file_identity, first_build_that_runs, verdict
 
 PACKAGE = "llama-cpp-python[server]==0.3.36"

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from scripts.processes import ManagedProcess, ServerFailed, running
 from scripts.testbed.llamabin import (
     BUILD_VARIANTS,
     BinaryNotFound,
     build_from_source,
     candidates,
 )
-from scripts.testbed.processes import ManagedProcess, ServerFailed, running
 from scripts.testbed.trial import EngineUnusable, file_identity, first_build_that_runs, verdict
 
 __all__ = [

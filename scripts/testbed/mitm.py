@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from scripts.testbed.processes import ManagedProcess, ServerFailed
+from scripts.processes import ManagedProcess, ServerFailed
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "addon" / "spillover.py"
@@ -44,10 +44,13 @@ class Mitmdump(ManagedProcess):
         log_dir: Path | None = None,
         scripts: Sequence[Path] = (),
         host: str = "127.0.0.1",
+        addon_path: Path = ADDON,
     ) -> None:
-        """`scripts`: more addon scripts, loaded after the spillover addon."""
+        """`scripts`: more addon scripts, loaded after the spillover addon;
+        `addon_path`: the addon's file (an installed one, say)."""
         super().__init__(port, log_dir, host)
         self.scripts = list(scripts)
+        self.addon_path = addon_path
         self.primary = primary
         self.fallbacks = list(fallbacks)
         self.addon = addon
@@ -98,7 +101,8 @@ class Mitmdump(ManagedProcess):
             "--set", "flow_detail=0",
         ]  # fmt: skip
         if self.addon:
-            argv += ["-s", str(ADDON), "--set", f"spillover_fallbacks={','.join(self.fallbacks)}"]
+            fallbacks = ",".join(self.fallbacks)
+            argv += ["-s", str(self.addon_path), "--set", f"spillover_fallbacks={fallbacks}"]
         else:
             argv += ["--set", "stream_large_bodies=1", "--set", "connection_strategy=lazy"]
         for script in self.scripts:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from scripts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.llamabin import CACHE, cpu_key
-from scripts.testbed.processes import ManagedProcess, ServerFailed
 from scripts.testbed.tinymodels import ensure_models
 
 # A verdict written by an older trial (one that only waited for /health) is not reused.

@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.processes import ManagedProcess
 from scripts.testbed.llamabin import CACHE
-from scripts.testbed.processes import ManagedProcess
 from scripts.testbed.trial import verdict
 from watchers.listeners import descendants
 

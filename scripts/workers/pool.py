@@ -32,7 +32,7 @@ from pathlib import Path
 
 from addon.servers.upstream import Upstream
 from addon.surface.nftables import Nftables, NftablesError, redirect_to
-from scripts.testbed.processes import _die_with_parent, free_port
+from scripts.processes import die_with_parent, free_port
 
 DRAIN_S = 600.0  # the longest a stopping worker waits for its answers to end
 CHECK_MS = 500
@@ -174,7 +174,7 @@ class Workers:
         )
         # HAProxy first: while the workers start, clients reach the primary (its backup).
         self.haproxy = subprocess.Popen(
-            [binary, "-f", str(config), "-db"], preexec_fn=_die_with_parent
+            [binary, "-f", str(config), "-db"], preexec_fn=die_with_parent
         )
         if self.taken_port is not None:
             self._redirect(self.taken_port)
@@ -210,7 +210,7 @@ class Workers:
     def _start_worker(self, index: int) -> None:
         # Each child ends with the supervisor, however it ends: no worker or HAProxy is
         # left holding the ports.
-        self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=_die_with_parent)
+        self.workers[index] = subprocess.Popen(self.worker_argv(index), preexec_fn=die_with_parent)
 
     def pids(self) -> list[int]:
         return [p.pid for p in (*self.workers, self.haproxy) if p is not None]

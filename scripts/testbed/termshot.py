@@ -1,7 +1,7 @@
 """A terminal screen, as `tmux capture-pane -p -e` gives it (text with SGR colour codes),
 drawn as SVG: the live view's picture in the manual is one real screen of a test run.
 
-    tmux capture-pane -p -e -t SESSION | .venv/bin/python -m scripts.termshot > screen.svg
+    tmux capture-pane -p -e -t SESSION | .venv/bin/python -m scripts.testbed.termshot > screen.svg
 """
 
 from __future__ import annotations

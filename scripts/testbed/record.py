@@ -6,7 +6,7 @@ the thing on demand: the in-band error and the tool call come from a scripted up
 (scripts/testbed/ollama_upstream.py: Ollama cannot run here); recordings/README.md says which is
 which.
 
-    .venv/bin/python -m scripts.record [recordings/] [--only NAME ...]
+    .venv/bin/python -m scripts.testbed.record [recordings/] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 from mitmproxy import io
 
+from scripts.processes import free_port, running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
 from scripts.testbed.ollama_upstream import OllamaUpstream
-from scripts.testbed.processes import free_port, running
 from scripts.testbed.prompts import PROMPT, TOOLS, chat_body
 from scripts.testbed.scripted_upstream import (
     STREAM_HEAD,

@@ -9,7 +9,7 @@ servers share the CPU, its work on the fallback slows the primary's decoding (fl
 stretches of 5-60 ms in the primary's line, measured here), which is not what the picture
 is about.
 
-    .venv/bin/python -m scripts.timeline [--out docs/handoff-timeline.svg]
+    .venv/bin/python -m scripts.testbed.timeline [--out docs/handoff-timeline.svg]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import ensure_models
 
 TOKENS, STEP_AT = 600, 300

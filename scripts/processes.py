@@ -31,7 +31,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -99,7 +99,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:

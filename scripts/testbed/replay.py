@@ -7,7 +7,7 @@ the client's request is sent again; each asked-for handoff is asked for again on
 answer has reached the recorded cut. The client's stream must come out as recorded
 (ids, timestamps and pause times aside), and each leg request as recorded.
 
-    .venv/bin/python -m scripts.replay recordings/*.mitm
+    .venv/bin/python -m scripts.testbed.replay recordings/*.mitm
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 from mitmproxy import http, io
 
+from scripts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
-from scripts.testbed.processes import free_port
 from scripts.testbed.replayserver import ReplayServer, request_difference
 
 # Anywhere in an event: ids, times and durations the servers make up anew for each answer.

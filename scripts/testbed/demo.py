@@ -12,7 +12,7 @@ a line saying where the answer moved, after how many tokens, the pause and how m
 tokens each server wrote. The working folder (models, logs) is removed at the end unless
 --keep.
 
-    scripts/demo.sh            # or: .venv/bin/python -m scripts.demo [--keep] [--fast]
+    scripts/demo.sh            # or: .venv/bin/python -m scripts.testbed.demo [--keep] [--fast]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import httpx
 
+from scripts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.processes import running
 from scripts.testbed.tinymodels import ensure_models
 
 CYAN, YELLOW, DIM, RESET = "\033[36m", "\033[33m", "\033[2m", "\033[0m"
