@@ -31,8 +31,10 @@ from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
 from addon.surface.nftables import owner_tables_work
+from scripts.parts import cardorder
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
+from watchers.nvml import NvmlSource
 from watchers.pressure import Lines
 from watchers.prometheus import PrometheusSource, parse_selectors
 from watchers.reading import CardFailure, NotApplicable, Reading
@@ -259,6 +261,10 @@ def main() -> None:
                         print(f"          {GRANT_PERFMON}")
     for name, why in missing.items():
         print(f"  {MISSING}{name}: {why}")
+    if nvml := next((source for source in sources if isinstance(source, NvmlSource)), None):
+        print("\nNVIDIA card ids (spillover_cards takes nvml:N; CUDA's own numbers may differ)")
+        for line in cardorder.lines(nvml.handles):
+            print(f"  {line}")
     if args.prometheus:
         token = read_secret(args.prometheus_token) or None
         remote = PrometheusSource(args.prometheus, token, interval_s=0)  # asked once, now

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess
 
 CONNECT_TIMEOUT_S = 2.0
 READ_SIZE = 65536
@@ -245,13 +245,30 @@ class GuardProcess(ManagedProcess):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", type=address, default=("127.0.0.1", 8080))
-    parser.add_argument("--proxy", type=address, default=("127.0.0.1", 8090))
-    parser.add_argument("--primary", type=address, default=("127.0.0.1", 8081))
-    parser.add_argument("--every-s", type=float, default=0.5)
-    parser.add_argument("--timeout-s", type=float, default=1.0)
-    parser.add_argument("--fails", type=int, default=2)
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument(
+        "--listen", type=address, default=("127.0.0.1", 8080),
+        help="HOST:PORT the clients connect to (default 127.0.0.1:8080)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--proxy", type=address, default=("127.0.0.1", 8090),
+        help="HOST:PORT of the spillover proxy, where clients go while it is healthy",
+    )  # fmt: skip
+    parser.add_argument(
+        "--primary", type=address, default=("127.0.0.1", 8081),
+        help="HOST:PORT of the primary server, where clients go while the proxy is down",
+    )  # fmt: skip
+    parser.add_argument(
+        "--every-s", type=float, default=0.5, help="ask the proxy's health this often"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=1.0, help="a health check slower than this fails"
+    )
+    parser.add_argument(
+        "--fails", type=int, default=2, help="checks failed in a row before the primary takes over"
+    )
+    parser.add_argument(
+        "--passes", type=int, default=2, help="checks passed in a row before the proxy takes back"
+    )
     parser.add_argument(
         "--token-file", type=Path,
         help="the proxy's control token (spillover_control_token), for its health check",

@@ -1,5 +1,7 @@
-"""Run the proxy for real: systemd user services for mitmdump with the addon and for the
-fail-open guard, with the options in one file a person edits.
+"""Run the proxy for real: systemd user services for the proxy and its fail-open guard.
+
+The proxy (mitmdump with the addon) and the guard each get a unit; the options live in
+one file a person edits.
 
     spillover services install --primary http://127.0.0.1:8081 \\
         --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8080] [--proxy-port 8090]
@@ -27,6 +29,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.guard import address, is_loopback
@@ -52,14 +55,9 @@ def config_home() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
 
 
-def token_file() -> Path:
-    return config_home() / "spillover" / "control-token"
-
-
-def ensure_token() -> Path:
+def ensure_token(path: Path) -> Path:
     """The control token the proxy and the guard share (made once, readable by its owner
     only): the guard's health check carries it where local clients are not trusted."""
-    path = token_file()
     if not path.exists():
         path.touch(mode=0o600)
         path.write_text(secrets.token_urlsafe(32) + "\n")
@@ -67,16 +65,20 @@ def ensure_token() -> Path:
 
 
 def options_file(
-    primary: str, fallbacks: str, proxy_port: int, public: bool, workers: int = 0
+    primary: str, fallbacks: str, proxy_port: int, token: Path | None, routed: bool = False
 ) -> str:
+    """`token`: the control token's file, where the guard is public; `routed`: the unit's
+    command names the primary and the fallbacks (workers behind HAProxy, each on a port of
+    its own; the transparent mode)."""
     # Behind a guard on a public address every client looks local: no control without
     # the token then (the guard has it too, for its health check). Behind HAProxy (the
     # workers) the control routes see each client's own address.
-    token = json.dumps(f"@{token_file()}")
-    guarded = public and not workers
-    local = f"spillover_control_local: false\nspillover_control_token: {token}\n" if guarded else ""
-    # The workers' command names the primary and the fallbacks (each worker its own port).
-    route = "" if workers else (
+    local = ""
+    if token is not None and not routed:
+        local = (
+            f"spillover_control_local: false\nspillover_control_token: {json.dumps(f'@{token}')}\n"
+        )
+    route = "" if routed else (
         "mode:\n"
         f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
         f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
@@ -84,52 +86,69 @@ def options_file(
     return (
         "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
         "# or spillover_* option (docs/running.md lists them). Restart the service after an edit:\n"
-        "#   systemctl --user restart spillover-proxy\n"
+        "#   systemctl [--user] restart spillover-proxy\n"
         f"{route}{local}"
         "flow_detail: 0\n"
     )
 
 
-def proxy_unit(confdir: Path, workers: str = "") -> str:
-    """`workers`: the `run` arguments of workers behind HAProxy, if any."""
-    return (
-        "[Unit]\n"
-        "Description=spillover proxy: mitmdump with the spillover addon\n"
-        "After=network.target\n\n"
-        "[Service]\n"
-        f"ExecStart={command()} run --confdir {confdir}{workers}\n"
-        "Restart=on-failure\n"
-        "RestartSec=1\n\n"
-        "[Install]\n"
-        "WantedBy=default.target\n"
-    )
+@dataclass(frozen=True)
+class Manager:
+    """How the service manager runs the units: a person's (user units: they run while
+    that person is logged in, or from boot with `loginctl enable-linger`) or the
+    machine's (system units: from boot, as `run_as`, after `after`, such as the
+    engines' own units)."""
+
+    system: bool = False
+    run_as: str = "spillover"
+    after: tuple[str, ...] = ()
+
+    def unit(self, what: str, start: str, restart: str, capabilities: str = "") -> str:
+        order = " ".join(self.after)
+        if self.system:
+            order = f"Wants=network-online.target\nAfter=network-online.target {order}".rstrip()
+        else:
+            order = f"After={order}" if order else ""
+        service = f"User={self.run_as}\n" if self.system and self.run_as != "root" else ""
+        if capabilities:
+            service += f"AmbientCapabilities={capabilities}\nCapabilityBoundingSet={capabilities}\n"
+        return (
+            f"[Unit]\nDescription=spillover {what}\n" + (f"{order}\n" if order else "") + "\n"
+            f"[Service]\n{service}ExecStart={start}\nRestart={restart}\nRestartSec=1\n\n"
+            f"[Install]\nWantedBy={'multi-user.target' if self.system else 'default.target'}\n"
+        )
 
 
-def guard_unit(listen: str, proxy_port: int, primary: str, public: bool) -> str:
+def proxy_unit(confdir: Path, manager: Manager, run: str = "", capabilities: str = "") -> str:
+    """`run`: more `run` arguments (workers behind HAProxy, the transparent mode)."""
+    start = f"{command()} run --confdir {confdir}{run}"
+    return manager.unit("proxy: mitmdump with the spillover addon", start, "on-failure",
+                        capabilities)  # fmt: skip
+
+
+def guard_unit(
+    listen: str, proxy_port: int, primary: str, token: Path | None, manager: Manager
+) -> str:
+    """`token`: the control token's file, where the guard is public."""
     target = primary.split("//", 1)[-1].rstrip("/")
-    extra = f" --public --token-file {token_file()}" if public else ""
-    return (
-        "[Unit]\n"
-        "Description=spillover guard: clients reach the primary when the proxy is down\n"
-        "After=network.target\n\n"
-        "[Service]\n"
-        f"ExecStart={command()} guard --listen {listen} "
-        f"--proxy 127.0.0.1:{proxy_port} --primary {target}{extra}\n"
-        "Restart=always\n"
-        "RestartSec=1\n\n"
-        "[Install]\n"
-        "WantedBy=default.target\n"
+    extra = f" --public --token-file {token}" if token else ""
+    start = (
+        f"{command()} guard --listen {listen} --proxy 127.0.0.1:{proxy_port} "
+        f"--primary {target}{extra}"
     )
+    return manager.unit("guard: clients reach the primary when the proxy is down", start, "always")
 
 
-def systemctl(*args: str) -> str | None:
-    """Run `systemctl --user`; why it could not, or None."""
+def systemctl(manager: Manager, *args: str) -> str | None:
+    """Run `systemctl` (`--user` for a person's units); why it could not, or None."""
     if shutil.which("systemctl") is None:
         return "no systemctl here"
-    run = subprocess.run(["systemctl", "--user", *args], capture_output=True, text=True)
+    scope = [] if manager.system else ["--user"]
+    run = subprocess.run(["systemctl", *scope, *args], capture_output=True, text=True)
     if run.returncode != 0:
         said = (run.stderr or run.stdout).strip().splitlines()
-        return f"systemctl --user {args[0]} failed ({said[0] if said else run.returncode})"
+        command = " ".join(["systemctl", *scope, args[0]])
+        return f"{command} failed ({said[0] if said else run.returncode})"
     return None
 
 
@@ -145,20 +164,36 @@ def by_hand(units: Path) -> str:
     return "\n".join(f"    {started} &" for started in commands)
 
 
+def places(args: argparse.Namespace) -> tuple[Path, Path]:
+    """Where the options and the units go: the person's config home, or the machine's
+    (/etc) with --system; --config-dir and --unit-dir choose others."""
+    if args.system:
+        return args.config_dir or Path("/etc/spillover"), args.unit_dir or Path(
+            "/etc/systemd/system"
+        )
+    home = config_home()
+    return args.config_dir or home / "spillover", args.unit_dir or home / "systemd" / "user"
+
+
 def install(args: argparse.Namespace) -> None:
-    confdir = config_home() / "spillover"
-    units = config_home() / "systemd" / "user"
+    confdir, units = places(args)
+    manager = Manager(args.system, args.run_as, tuple(filter(None, args.after.split(","))))
+    if args.transparent and not args.system:
+        raise SystemExit(
+            "services: --transparent changes the kernel's rules (CAP_NET_ADMIN): a system "
+            "service only (--system)"
+        )
     confdir.mkdir(parents=True, exist_ok=True)
     units.mkdir(parents=True, exist_ok=True)
     options = confdir / "config.yaml"
     public = not is_loopback(address(args.listen)[0])
-    if public:
-        ensure_token()
+    token = ensure_token(confdir / "control-token") if public else None
+    routed = bool(args.workers or args.transparent)
     if options.exists():
         print(f"services: keeping {options} as it is")
         kept = options.read_text()
         given = [args.primary, *filter(None, args.fallbacks.split(","))]
-        if missing := [url for url in given if url not in kept]:
+        if not routed and (missing := [url for url in given if url not in kept]):
             print(
                 f"services: WARNING: {options} does not name {', '.join(missing)}, given now: "
                 "edit it, or uninstall --purge and install again"
@@ -166,54 +201,62 @@ def install(args: argparse.Namespace) -> None:
         if OLD_SCRIPTS.search(kept):
             options.write_text(OLD_SCRIPTS.sub("", kept))
             print(f"services: {options} named the addon's file: removed (the unit loads it)")
-        if public and "spillover_control_token" not in options.read_text():
+        if token and not routed and "spillover_control_token" not in options.read_text():
             print(
-                f"services: the guard checks the proxy with the token in {token_file()}: "
-                f"add spillover_control_token: '@{token_file()}' to {options}"
+                f"services: the guard checks the proxy with the token in {token}: "
+                f"add spillover_control_token: '@{token}' to {options}"
             )
     else:
         options.write_text(
-            options_file(args.primary, args.fallbacks, args.proxy_port, public, args.workers)
+            options_file(args.primary, args.fallbacks, args.proxy_port, token, routed)
         )
         print(f"services: wrote {options}")
-    if args.workers:
-        # HAProxy takes the clients' address and does the guard's job (scripts/workers).
+    if routed:
+        # HAProxy, or the kernel's rules (gone with the proxy), take the clients'
+        # address and do the guard's job: no guard unit.
         host, port = address(args.listen)
-        workers = (
-            f" --primary {args.primary} --fallbacks '{args.fallbacks}' --workers {args.workers}"
-            f" --listen-host {host} --port {port}"
-        )
+        run = f" --primary {args.primary} --fallbacks '{args.fallbacks}'"
+        run += f" --workers {args.workers}" if args.workers else " --transparent"
+        run += f" --listen-host {host} --port {port}"
+        capabilities = "CAP_NET_ADMIN" if args.transparent else ""
         written = UNITS[:1]
-        (units / UNITS[0]).write_text(proxy_unit(confdir, workers))
+        (units / UNITS[0]).write_text(proxy_unit(confdir, manager, run, capabilities))
         if (units / UNITS[1]).exists():
             if not args.no_start:
-                systemctl("disable", "--now", UNITS[1])
+                systemctl(manager, "disable", "--now", UNITS[1])
             (units / UNITS[1]).unlink()
     else:
         written = UNITS
-        (units / UNITS[0]).write_text(proxy_unit(confdir))
+        (units / UNITS[0]).write_text(proxy_unit(confdir, manager))
         (units / UNITS[1]).write_text(
-            guard_unit(args.listen, args.proxy_port, args.primary, public)
+            guard_unit(args.listen, args.proxy_port, args.primary, token, manager)
         )
     print(f"services: wrote {', '.join(str(units / u) for u in written)}")
     if not args.no_start:
-        why = systemctl("daemon-reload") or systemctl("enable", "--now", *written)
+        why = systemctl(manager, "daemon-reload") or systemctl(manager, "enable", "--now", *written)
         if why is not None:
-            print(f"services: not started: {why}; this machine has no user systemd to run them.")
+            kind = "" if manager.system else " user"
+            print(f"services: not started: {why}; this machine has no{kind} systemd to run them.")
             print(f"services: start them by hand:\n{by_hand(units)}")
             return
         print(f"services: clients use {args.listen}; the proxy listens on {args.proxy_port}")
+        if not args.system:
+            print(
+                "services: user services stop at logout and start at login: "
+                "`loginctl enable-linger` runs them from boot (or install --system)"
+            )
 
 
 def uninstall(args: argparse.Namespace) -> None:
-    units = config_home() / "systemd" / "user"
+    confdir, units = places(args)
+    manager = Manager(args.system)
     if not args.no_start:
-        subprocess.run(["systemctl", "--user", "disable", "--now", *UNITS], check=False)
+        systemctl(manager, "disable", "--now", *UNITS)
     for unit in UNITS:
         (units / unit).unlink(missing_ok=True)
     if args.purge:
-        shutil.rmtree(config_home() / "spillover", ignore_errors=True)
-    if not args.no_start and (why := systemctl("daemon-reload")) is not None:
+        shutil.rmtree(confdir, ignore_errors=True)
+    if not args.no_start and (why := systemctl(manager, "daemon-reload")) is not None:
         print(f"services: {why}")
     print("services: removed" + (" with the options file" if args.purge else ""))
 
@@ -221,19 +264,47 @@ def uninstall(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    put = commands.add_parser("install")
+    put = commands.add_parser("install", help="write the units and the options, and start them")
     put.add_argument("--primary", required=True, help="the primary's URL")
     put.add_argument("--fallbacks", default="", help="comma-separated fallback URLs")
-    put.add_argument("--listen", default="127.0.0.1:8080", help="the clients' address (guard)")
-    put.add_argument("--proxy-port", type=int, default=8090)
+    put.add_argument(
+        "--listen", default="127.0.0.1:8080",
+        help="the clients' address: the guard's, which passes them to the proxy while it is "
+        "up and to the primary while it is not (default 127.0.0.1:8080)",
+    )  # fmt: skip
+    put.add_argument(
+        "--proxy-port", type=int, default=8090,
+        help="the proxy's own port on 127.0.0.1, behind the guard (default 8090)",
+    )  # fmt: skip
     put.add_argument(
         "--workers", type=int, default=0,
         help="run this many proxies behind HAProxy on --listen, instead of one and the guard",
     )  # fmt: skip
-    put.add_argument("--no-start", action="store_true", help="only write the files")
-    remove = commands.add_parser("uninstall")
+    put.add_argument(
+        "--transparent", action="store_true",
+        help="clients keep the primary's URL: the kernel's rules send its connections to the "
+        "proxy (no guard: the rules go with the proxy); with --system",
+    )  # fmt: skip
+    remove = commands.add_parser("uninstall", help="stop and remove the units")
     remove.add_argument("--purge", action="store_true", help="remove the options file too")
-    remove.add_argument("--no-start", action="store_true", help="do not call systemctl")
+    for command_parser in (put, remove):
+        command_parser.add_argument(
+            "--system", action="store_true",
+            help="system units (/etc/systemd/system, options in /etc/spillover): from boot, "
+            "as --run-as, after --after; default: the person's user units",
+        )  # fmt: skip
+        command_parser.add_argument("--config-dir", type=Path, help="where the options go")
+        command_parser.add_argument("--unit-dir", type=Path, help="where the units go")
+        command_parser.add_argument(
+            "--no-start", action="store_true", help="only write (or remove) the files"
+        )
+    put.add_argument(
+        "--run-as", default="spillover", help="the system units' user (default spillover)"
+    )
+    put.add_argument(
+        "--after", default="",
+        help="comma-separated units to start after, such as the engines' (llama-server.service)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.command == "install":
         install(args)

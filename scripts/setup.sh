@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Make .venv (Python >= 3.12) with the project and its test extra, and make sure a
-# llama-server that runs on this CPU exists. Safe to run again: quick when nothing changed.
+# llama-server that runs on this CPU exists, then the other engines and tools the tests
+# use. `setup.sh demo`: only what the demo uses (the project, the tiny models' writer and
+# llama-server). Safe to run again: quick when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,15 +36,19 @@ if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
     "$python" -m venv .venv
 fi
 
+# What is installed: the test extra (a superset of the demo's), unless only the demo runs.
+extra=test
+[ "${1:-}" = demo ] && ! grep -q ' test$' .venv/.spillover-installed 2>/dev/null && extra=demo
 stamp=.venv/.spillover-installed
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) $extra"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "setup: installing the project and its test extra into .venv"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    echo "setup: installing the project and its $extra extra into .venv"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extra]"
     echo "$want" > "$stamp"
 fi
 
 .venv/bin/python -m scripts.testbed.llamaserver >/dev/null
+[ "${1:-}" = demo ] && exit 0
 # The other engine of the tests (built once, about 5 min).
 .venv/bin/python -m scripts.testbed.llamacpppython >/dev/null
 # vLLM's CPU build, the third engine (installed once, about 12 min; where this machine

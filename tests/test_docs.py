@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.testbed.llamaserver import find_binary
 from scripts.testbed.prompts import chat_body
+from tests.streams import read_stream
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
@@ -66,14 +68,31 @@ def test_the_handoff_timeline_is_drawn_from_a_real_run(tmp_path: Path) -> None:
 QUICK_START_PORTS = (8081, 8082, 8090)
 
 
-def test_the_quick_start_runs_as_written() -> None:
-    """The README's five lines for your own server, run by bash from the checkout: the
-    proxy on 8090 answers a question with the primary's own answer. (Skipped where
-    another program holds one of its ports.)"""
+def skip_where_the_ports_are_taken() -> None:
     for port in QUICK_START_PORTS:
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 pytest.skip(f"port {port}, which the quick start uses, is taken here")
+
+
+def wait_until_ready(proxy: str) -> None:
+    """Until the proxy knows its fallback continues answers (or two minutes)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            servers = httpx.get(f"{proxy}/spillover/status").json()["servers"]
+            if servers.get("http://127.0.0.1:8082", {}).get("settled"):
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.2)
+
+
+def test_the_quick_start_runs_as_written() -> None:
+    """The README's five lines for your own server, run by bash from the checkout: the
+    proxy on 8090 answers a question with the primary's own answer. (Skipped where
+    another program holds one of its ports.)"""
+    skip_where_the_ports_are_taken()
     text = (REPO / "README.md").read_text()
     block = re.search(r"## In front of your own server\n\n```sh\n(.*?)```", text, re.S)
     assert block is not None
@@ -83,21 +102,47 @@ def test_the_quick_start_runs_as_written() -> None:
     )  # fmt: skip
     proxy = "http://127.0.0.1:8090"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                servers = httpx.get(f"{proxy}/spillover/status").json()["servers"]
-                if servers.get("http://127.0.0.1:8082", {}).get("settled"):
-                    break  # the fallback is known to continue: the proxy is ready
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            time.sleep(0.2)
+        wait_until_ready(proxy)
         body = {**chat_body(8), "stream": False}
         via = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
         direct = httpx.post("http://127.0.0.1:8081/v1/chat/completions", json=body, timeout=60)
         assert via.status_code == 200
         answer = via.json()["choices"][0]["message"]["content"]
         assert answer and answer == direct.json()["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(timeout=30)
+
+
+def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_path: Path) -> None:
+    """docs/your-cards.md's one-card block, run by bash: its first line (your models) set
+    to the tiny ones, `llama-server` the one the setup found, `spillover` this checkout's;
+    the rest as written. No GPU here, so both servers run on the CPU (`-ngl 99` offloads
+    nothing). A handoff asked of the proxy goes to the fallback."""
+    skip_where_the_ports_are_taken()
+    text = (REPO / "docs" / "your-cards.md").read_text()
+    block = re.search(r"## One card: .*?```sh\n(.*?)```", text, re.S)
+    assert block is not None
+    first, rest = block.group(1).split("\n", 1)
+    assert first.startswith("BIG=")
+    chosen = f"BIG={models['primary']} SMALL={models['fallback']}\n"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "llama-server").symlink_to(find_binary())
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    run = subprocess.Popen(
+        ["bash", "-c", chosen + rest], cwd=tmp_path, start_new_session=True,
+        env={**os.environ, "PATH": path}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    proxy = "http://127.0.0.1:8090"
+    try:
+        wait_until_ready(proxy)
+        stream = read_stream(
+            proxy, chat_body(120),
+            on_chunk=lambda n: n == 20 and httpx.post(f"{proxy}/spillover/handoff"),
+        )  # fmt: skip
+        assert stream.status == 200 and len(stream.notes) == 1, stream.notes
+        assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
     finally:
         os.killpg(run.pid, signal.SIGTERM)
         run.wait(timeout=30)

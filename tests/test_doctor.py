@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from scripts.doctor import CGROUP_ROOT, cgroup2_mount
+from scripts.parts import cardorder
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, write_meminfo
 
@@ -79,3 +80,15 @@ def test_the_cgroup_v2_hierarchy_is_found_where_it_is_mounted(tmp_path: Path) ->
     ):
         mounts.write_text(text)
         assert cgroup2_mount(mounts) == found
+
+
+def test_nvml_and_cuda_numbers_are_matched_by_pci_bus() -> None:
+    """Two cards, CUDA numbering the faster (on bus 0x65) first, as its default order
+    does, and a third hidden from CUDA (CUDA_VISIBLE_DEVICES): NVML's ids as nvidia-ml-py
+    writes them, CUDA's as cuDeviceGetPCIBusId does."""
+    nvml = ["00000000:17:00.0", "00000000:65:00.0", "00000000:B3:00.0"]
+    cuda = ["0000:65:00.0", "0000:17:00.0"]
+    assert cardorder.cuda_indexes(nvml, cuda) == {0: 1, 1: 0}
+    assert cardorder.normal("00000000:b3:00.0") == cardorder.normal("0000:B3:00.0")
+    assert cardorder.normal("not a bus id") is None
+    assert cardorder.cuda_indexes(nvml, ["0000:17:00.0", "0000:65:00.0"]) == {0: 0, 1: 1}

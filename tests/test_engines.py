@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaRouter, LlamaServer
 from scripts.testbed.memfiles import FakeCard

@@ -15,7 +15,7 @@ from addon.answer.splice import Splice
 from addon.formats.carried import CHAT
 from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.prompts import TOOLS
 from scripts.testbed.scripted_upstream import (

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from addon.surface.mistakes import unknown_options
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
 from tests.streams import chat_body, read_stream
 

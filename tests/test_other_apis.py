@@ -25,7 +25,7 @@ import pytest
 from addon.formats.chat import Chat
 from addon.formats.messages import Messages
 from addon.formats.responses import Responses
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.mitm import REPO
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import chat_body
@@ -244,3 +244,73 @@ def test_with_workers_one_unit_runs_them_behind_haproxy(primary, fallback, tmp_p
         log.close()
     services(config, "uninstall", "--no-start", "--purge")
     assert not (units / "spillover-proxy.service").exists()
+
+
+def verify(*units: Path) -> None:
+    if shutil.which("systemd-analyze"):
+        verified = subprocess.run(
+            ["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True
+        )
+        assert verified.returncode == 0, verified.stderr
+
+
+def unit_lines(unit: Path) -> list[str]:
+    return unit.read_text().splitlines()
+
+
+def test_system_units_start_at_boot_as_their_own_user_after_the_engines(tmp_path: Path) -> None:
+    """`install --system` (into temporary directories here, /etc by default): the units
+    start at boot (multi-user.target) once the network is up and after the engines' own
+    units, as a user of their own; user units order themselves after nothing they cannot
+    know (network.target means nothing to a user's manager)."""
+    etc, units = tmp_path / "etc", tmp_path / "units"
+    services(
+        tmp_path / "home", "install", "--system", "--config-dir", str(etc), "--unit-dir",
+        str(units), "--primary", "http://127.0.0.1:8081", "--fallbacks", "http://127.0.0.1:8082",
+        "--after", "llama-server.service,vllm.service", "--no-start",
+    )  # fmt: skip
+    proxy, guard = units / "spillover-proxy.service", units / "spillover-guard.service"
+    verify(proxy, guard)
+    for unit in (proxy, guard):
+        lines = unit_lines(unit)
+        assert "After=network-online.target llama-server.service vllm.service" in lines
+        assert "Wants=network-online.target" in lines and "User=spillover" in lines
+        assert "WantedBy=multi-user.target" in lines
+    assert f"ExecStart={sys.executable.rsplit('/', 1)[0]}/spillover run --confdir {etc}" in (
+        unit_lines(proxy)
+    )
+    assert (etc / "config.yaml").exists()
+    services(tmp_path / "home", "install", "--primary", "http://127.0.0.1:8081", "--no-start")
+    user = tmp_path / "home" / "systemd" / "user" / "spillover-proxy.service"
+    assert not [line for line in unit_lines(user) if line.startswith("After=")]
+    assert "WantedBy=default.target" in unit_lines(user)
+    verify(user)
+
+
+def test_the_transparent_mode_runs_as_one_system_unit_with_the_capability_it_needs(
+    tmp_path: Path,
+) -> None:
+    """Clients keep the primary's URL: the kernel's rules, gone with the proxy, do the
+    guard's job, so there is no guard; the unit gets CAP_NET_ADMIN and nothing more. A
+    user unit cannot have it: refused."""
+    etc, units = tmp_path / "etc", tmp_path / "units"
+    services(
+        tmp_path / "home", "install", "--system", "--transparent", "--config-dir", str(etc),
+        "--unit-dir", str(units), "--primary", "http://10.0.0.5:8081",
+        "--fallbacks", "http://10.0.0.6:8082", "--listen", "127.0.0.1:8090", "--no-start",
+    )  # fmt: skip
+    (proxy,) = units.iterdir()
+    verify(proxy)
+    lines = unit_lines(proxy)
+    assert "AmbientCapabilities=CAP_NET_ADMIN" in lines
+    assert "CapabilityBoundingSet=CAP_NET_ADMIN" in lines
+    start = next(line for line in lines if line.startswith("ExecStart="))
+    assert "--primary http://10.0.0.5:8081" in start and "--transparent" in start
+    assert "mode:" not in (etc / "config.yaml").read_text()  # the command names the route
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "home")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "scripts.services", "install", "--transparent", "--primary",
+         "http://10.0.0.5:8081", "--no-start"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "a system service only (--system)" in refused.stderr

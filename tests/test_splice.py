@@ -19,7 +19,7 @@ import pytest
 from mitmproxy import io
 
 from addon.servers.directory import MARKER
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk

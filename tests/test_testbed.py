@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from scripts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess
 from scripts.testbed import llamacpppython
 from scripts.testbed.llamabin import BUILD_VARIANTS, built_binary_path
 from scripts.testbed.llamaserver import LlamaServer, ServerFailed, running

@@ -29,7 +29,7 @@ import pytest
 
 from addon.surface.nftables import owner_tables_work
 from scripts.doctor import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
-from scripts.processes import ServerFailed, free_port
+from scripts.parts.processes import ServerFailed, free_port
 from scripts.testbed import netns
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import REFUSAL, OpenAIUpstream

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from addon.servers.upstream import ChunkedBody
 from scripts.bench.splice import SseSource, read_stream
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
 
 PACED = {"stream": True, "max_tokens": 1500, "interval_ms": 2, "messages": []}

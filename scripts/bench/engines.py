@@ -17,7 +17,7 @@ import json
 import httpx
 
 from scripts.bench.apis import command_line, pause, side_by_side, timed
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import ensure_models

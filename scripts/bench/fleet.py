@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from scripts.bench.routing import percentiles, reroute_times
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.fleet import NodeExporter, Prometheus
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard

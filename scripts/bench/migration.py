@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from scripts.bench.shadow import CONTROL, body, erase, prompt_of
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import BENCH_PRESETS, ensure_model

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.workers import SpilloverWorkers
 

@@ -24,7 +24,7 @@ import httpx
 
 from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs

@@ -54,7 +54,7 @@ import httpx
 
 from scripts.bench.soaktally import Left, Seen, Tally, report
 from scripts.guard import GuardProcess
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed import victims
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard

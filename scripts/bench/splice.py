@@ -30,7 +30,7 @@ import httpx
 
 from addon.servers.upstream import ChunkedBody
 from scripts.guard import GuardProcess
-from scripts.processes import ManagedProcess, running
+from scripts.parts.processes import ManagedProcess, running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import ensure_models

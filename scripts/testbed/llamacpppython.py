@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess
 from scripts.testbed.llamabin import BUILD_VARIANTS, CACHE, cpu_key
 from scripts.testbed.trial import file_identity, first_build_that_runs, verdict
 

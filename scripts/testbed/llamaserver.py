@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from scripts.processes import ManagedProcess, ServerFailed, running
+from scripts.parts.processes import ManagedProcess, ServerFailed, running
 from scripts.testbed.llamabin import (
     BUILD_VARIANTS,
     BinaryNotFound,

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from scripts.processes import ManagedProcess, ServerFailed
+from scripts.parts.processes import ManagedProcess, ServerFailed
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "addon" / "spillover.py"

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from mitmproxy import io
 
-from scripts.processes import free_port, running
+from scripts.parts.processes import free_port, running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs

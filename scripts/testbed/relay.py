@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from scripts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess
 from scripts.workers.pool import haproxy_binary
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from mitmproxy import http, io
 
-from scripts.processes import free_port
+from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.replayserver import ReplayServer, request_difference
 

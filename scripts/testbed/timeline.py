@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.processes import running
+from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs

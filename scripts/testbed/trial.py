@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.processes import ManagedProcess, ServerFailed
+from scripts.parts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.llamabin import CACHE, cpu_key
 from scripts.testbed.tinymodels import ensure_models
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess
 from scripts.testbed.llamabin import CACHE
 from scripts.testbed.trial import verdict
 from watchers.listeners import descendants

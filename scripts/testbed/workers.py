@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scripts.processes import ManagedProcess, ServerFailed
+from scripts.parts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.mitm import Mitmdump
 from scripts.workers.pool import HaproxyMissing, haproxy_binary
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from addon.servers.upstream import Upstream
 from addon.surface.nftables import Nftables, NftablesError, redirect_to
-from scripts.processes import die_with_parent, free_port
+from scripts.parts.processes import die_with_parent, free_port
 
 DRAIN_S = 600.0  # the longest a stopping worker waits for its answers to end
 CHECK_MS = 500
