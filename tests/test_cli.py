@@ -3,16 +3,26 @@ each tool answers under it (a real mitmdump, real llama-servers)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import shutil
+import struct
 import subprocess
 import sys
+import termios
+import time
 import zipfile
 from pathlib import Path
 
+import pytest
+
+from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump, SpilloverRun
+from scripts.testbed.workers import haproxy_missing
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,19 +84,37 @@ def built_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+def on_a_terminal(argv: list[str], seconds: float = 3) -> str:
+    """What `argv` draws in its first seconds on a terminal of 40 x 160 (a pty)."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    drawing = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower,
+                               env={**os.environ, "TERM": "xterm"})  # fmt: skip
+    os.close(follower)
+    shown, deadline = b"", time.monotonic() + seconds
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([leader], [], [], left)[0]:
+                try:
+                    shown += os.read(leader, 65536)
+                except OSError:
+                    break
+    finally:
+        drawing.terminate()
+        drawing.wait(timeout=10)
+        os.close(leader)
+    return shown.decode(errors="replace")
+
+
 PIP = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
 TEST_BED = re.compile(r"^\s*(from|import) scripts\.(testbed|bench|gpu)\b", re.MULTILINE)
 
 
-def test_the_wheel_installs_one_package_and_its_commands_run(
-    tmp_path: Path, start_server, fallback, server_logs: Path
-) -> None:
+def test_the_wheel_installs_one_package_and_its_commands_run(tmp_path: Path) -> None:
     """The wheel, installed (without its dependencies, which this venv has) into a folder
     of its own: one top-level package, `spillover`, with its license and without the test
     bed, the benchmarks or the GPU proof (nothing in it imports them); `addon`, `scripts`
-    and `watchers` are not importable beside it, yet its command runs every tool, and
-    `mitmdump -s "$(spillover addon-path)"` is a working proxy: a real primary killed
-    mid-answer, the fallback goes on."""
+    and `watchers` are not importable beside it, yet its command answers for every tool."""
     wheel = built_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
@@ -124,27 +152,79 @@ def test_the_wheel_installs_one_package_and_its_commands_run(
     for command in ("run", "status", "doctor", "watch", "stress", "services", "guard"):
         said = installed(command, "--help")
         assert said.returncode == 0 and "usage: spillover" in said.stdout, (command, said.stderr)
-    doctor = installed("doctor")
-    assert doctor.returncode == 0 and "llama-server on this machine" in doctor.stdout, doctor.stderr
-    # What `spillover run --workers N` imports, found as the command finds it.
-    pool = (
-        "import importlib.util as u, sys\n"
-        "sys.path.insert(0, u.find_spec('spillover.addon').origin.rsplit('/', 2)[0])\n"
-        "import scripts.workers.pool\n"
-    )
-    imported = subprocess.run([sys.executable, "-P", "-c", pool], cwd=tmp_path, env=env,
-                              capture_output=True, text=True)  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
-    path = Path(installed("addon-path").stdout.strip())
-    assert path == target / "spillover" / "addon" / "spillover.py"
+
+
+def test_a_fresh_venv_from_the_wheel_runs_every_command(
+    tmp_path: Path, start_server, fallback, server_logs: Path
+) -> None:
+    """As a user installs it: a new virtual environment, the wheel and its dependencies
+    from the package index (not numpy: gguf is an extra), then every command from that
+    environment: `run --workers 2` behind HAProxy with a handoff, `status`, `watch`,
+    `stress`, `services install` into a temporary place, `guard`, `doctor`, and
+    `mitmdump -s "$(spillover addon-path)"` with a handoff."""
+    if (why := haproxy_missing()) is not None:
+        pytest.skip(why)
+    wheel = built_wheel(tmp_path)
+    fresh = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", fresh], check=True)
+    bin_dir = fresh / "bin"
+    pip = [bin_dir / "python", "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "install", wheel], check=True, timeout=600)
+    assert subprocess.run([bin_dir / "python", "-c", "import numpy"]).returncode != 0
+
+    def spillover(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([bin_dir / "spillover", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    doctor = spillover("doctor")
+    assert doctor.returncode == 0 and "memory sources" in doctor.stdout, doctor.stderr
+    stress = spillover("stress", "ram", "--step-mib", "16", "--steps", "1", "--hold-s", "0")
+    assert stress.returncode == 0 and "ram:" in stress.stdout, stress.stderr
+    units = tmp_path / "units"
+    installed = spillover(
+        "services", "install", "--primary", "http://127.0.0.1:8081", "--config-dir",
+        str(tmp_path / "etc"), "--unit-dir", str(units), "--no-start",
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr
+    assert f"ExecStart={bin_dir}/spillover run" in (units / "spillover-proxy.service").read_text()
+    assert f"ExecStart={bin_dir}/spillover guard" in (units / "spillover-guard.service").read_text()
 
     primary = start_server("primary")
-    proxy = Mitmdump(primary.url, [fallback.url], log_dir=server_logs, addon_path=path).start()
+    port = free_port()
+    workers = subprocess.Popen(
+        [bin_dir / "spillover", "run", "--primary", primary.url, "--fallbacks", fallback.url,
+         "--workers", "2", "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    proxy = f"http://127.0.0.1:{port}"
     try:
-        stream = read_stream(
-            proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill()
-        )
+        said = ""
+        assert workers.stdout is not None
+        while "2 workers up behind HAProxy" not in said:
+            line = workers.stdout.readline()
+            assert line, said
+            said += line
+        stream = read_stream(proxy, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill())
         assert_one_clean_stream(stream)
         assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
+        status = spillover("status", "--proxy", proxy)
+        assert status.returncode == 0 and json.loads(status.stdout)["fallbacks"] == [fallback.url]
+        shown = on_a_terminal([str(bin_dir / "spillover"), "watch", "--proxy", proxy])
+        assert fallback.url in shown, shown
+    finally:
+        workers.terminate()
+        workers.wait(timeout=30)
+
+    again = start_server("primary")
+    addon = Path(spillover("addon-path").stdout.strip())
+    assert addon.is_relative_to(fresh)
+    proxy = Mitmdump(again.url, [fallback.url], log_dir=server_logs, addon_path=addon,
+                     mitmdump=bin_dir / "mitmdump").start()  # fmt: skip
+    try:
+        stream = read_stream(proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and again.kill())
+        assert_one_clean_stream(stream)
+        assert f"{again.url} -> {fallback.url}" in stream.notes[0]
     finally:
         proxy.stop()
+    guard = spillover("guard", "--help")
+    assert guard.returncode == 0 and "--primary PRIMARY" in guard.stdout

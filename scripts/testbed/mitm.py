@@ -45,12 +45,15 @@ class Mitmdump(ManagedProcess):
         scripts: Sequence[Path] = (),
         host: str = "127.0.0.1",
         addon_path: Path = ADDON,
+        mitmdump: Path | None = None,
     ) -> None:
         """`scripts`: more addon scripts, loaded after the spillover addon;
-        `addon_path`: the addon's file (an installed one, say)."""
+        `addon_path`: the addon's file and `mitmdump` the program (an installed one's,
+        say; by default this checkout's and this Python's)."""
         super().__init__(port, log_dir, host)
         self.scripts = list(scripts)
         self.addon_path = addon_path
+        self.mitmdump = mitmdump or Path(sys.executable).parent / "mitmdump"
         self.primary = primary
         self.fallbacks = list(fallbacks)
         self.addon = addon
@@ -96,7 +99,7 @@ class Mitmdump(ManagedProcess):
 
     def argv(self) -> list[str]:
         argv = [
-            str(Path(sys.executable).parent / "mitmdump"),
+            str(self.mitmdump),
             "--mode", f"reverse:{self.primary}@{self.host}:{self.port}",
             "--set", "flow_detail=0",
         ]  # fmt: skip
