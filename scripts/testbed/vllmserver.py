@@ -24,9 +24,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from scripts.parts.processes import ManagedProcess
+import httpx
+
+from scripts.parts.processes import ManagedProcess, ServerFailed
 from scripts.testbed.llamabin import CACHE
 from scripts.testbed.trial import verdict
 from watchers.listeners import descendants
@@ -133,6 +136,23 @@ class VllmServer(ManagedProcess):
             # every template llama.cpp ships through one server).
             "--trust-request-chat-template",
         ]  # fmt: skip
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Healthy, and the server that answers is this vLLM: it binds its port only once
+        its model is loaded, and meanwhile another test's server can take the port picked
+        for it (then this one fails to bind, exits, and `start` tries another port)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise ServerFailed(f"vllm exited while starting:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                models = httpx.get(f"{self.url}/v1/models", timeout=1).json()
+                if models["data"][0]["owned_by"] == "vllm":
+                    return
+            time.sleep(0.2)
+        self.stop()
+        raise ServerFailed(f"vllm not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL the API server and its engine processes (EngineCore, Worker) with it."""
