@@ -10,6 +10,7 @@ stand-in (scripts/testbed/openai_upstream.py), and said so."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +190,30 @@ def test_an_unknown_way_is_refused_at_start_up() -> None:
     said = run.stdout + run.stderr
     assert run.returncode != 0
     assert "spillover_continue_by: http://127.0.0.1:9=prefill: the way is one of message" in said
+
+
+def test_a_server_that_comes_back_is_judged_by_its_behaviour_again(
+    start_server, start_proxy
+) -> None:
+    """Nothing a hosted API answers says what it runs: when one comes back after being
+    down (another deployment behind the same URL, here one that starts answers over),
+    the probe is asked again, and an answer no longer goes there."""
+    hosted = OpenAIUpstream("hosted", mode="continue")
+    port = int(hosted.url.rsplit(":", 1)[1])
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [hosted.url])
+    assert known(proxy, hosted.url)["continues"] is True
+    hosted.close()
+    status = f"{proxy.url}/spillover/status"
+    deadline = time.monotonic() + 30
+    while httpx.get(status).json()["routing"]["states"][hosted.url]["state"] != "down":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    changed = OpenAIUpstream("hosted", mode="restart", port=port)
+    while httpx.get(status).json()["servers"][hosted.url]["continues"] is not False:
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.1)
+    assert (
+        "starts the answer over" in httpx.get(status).json()["servers"][hosted.url]["continues_why"]
+    )
+    changed.close()

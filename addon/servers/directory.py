@@ -105,10 +105,25 @@ class ServerDirectory(PromptQuestions):
 
     def back(self, url: str) -> None:
         """`url` answers again after being down: it may be another process, with another
-        model; what it says it runs is asked again, and all of it where that changed."""
+        model; what it says it runs is asked again, and all of it where that changed (a
+        server known only by its behaviour is judged by it again)."""
         upstream = next((u for u in self.info if u.url == url), None)
-        if upstream is not None:
+        if upstream is None:
+            return
+        if self.get(upstream).proof in ("behaviour", "declared"):
+            # Nothing it answers says what it runs: how it behaves is asked again.
+            self._in_background(self._probe_again(upstream))
+        else:
             self._in_background(self.recheck(upstream, generate=False))
+
+    async def _probe_again(self, upstream: Upstream) -> None:
+        if upstream in self._probing:
+            return
+        self._probing.add(upstream)
+        try:
+            await self.probe(upstream, generate=True)
+        finally:
+            self._probing.discard(upstream)
 
     async def recheck(self, upstream: Upstream, generate: bool) -> str | None:
         """Whether `upstream` still runs what it was proven on (what it says of its model

@@ -37,10 +37,15 @@ def own_words(name: str, messages: list[dict[str, Any]], mode: str, tokens: int)
 
 class OpenAIUpstream:
     def __init__(
-        self, name: str, mode: str = "continue", pause_s: float = 0.0, cut_after: int | None = None
+        self,
+        name: str,
+        mode: str = "continue",
+        pause_s: float = 0.0,
+        cut_after: int | None = None,
+        port: int = 0,
     ) -> None:
         """`cut_after`: a streamed answer's connection closes after that many words (a
-        server that died mid-answer)."""
+        server that died mid-answer); `port`: one to listen on (another run's, say)."""
         self.name, self.mode, self.pause_s, self.cut_after = name, mode, pause_s, cut_after
         self.requests: list[dict[str, Any]] = []
         upstream = self
@@ -78,10 +83,13 @@ class OpenAIUpstream:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                # No connection outlives its answer: closed, the server is gone at once.
+                self.send_header("Connection", "close")
+                self.close_connection = True
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
