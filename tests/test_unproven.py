@@ -23,6 +23,7 @@ from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import REFUSAL, OpenAIUpstream
 from scripts.testbed.prompts import PROMPT, chat_body
 from scripts.testbed.relay import Relay
+from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 
@@ -217,3 +218,23 @@ def test_a_server_that_comes_back_is_judged_by_its_behaviour_again(
         "starts the answer over" in httpx.get(status).json()["servers"][hosted.url]["continues_why"]
     )
     changed.close()
+
+
+def test_a_reasoning_answer_does_not_go_to_a_server_proven_on_plain_answers_only(
+    models: dict[str, Path], start_server, start_proxy
+) -> None:
+    """A llama-server primary with the reasoning template thinks aloud and is killed:
+    the fallback known by its behaviour only was seen to go on with plain answers, and
+    where this answer's reasoning would go there is not known: it ends in-band, saying so,
+    after the reasoning already delivered."""
+    template = str(reasoning_template(models["primary"].parent))
+    primary = start_server("primary", extra_args=["--chat-template-file", template])
+    hosted = OpenAIUpstream("hosted")
+    proxy = start_proxy(primary.url, [hosted.url])
+    assert known(proxy, hosted.url)["proof"] == "behaviour"
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and primary.kill())
+    assert stream.thoughts[0] and not stream.segments[0]
+    message = stream.errors[0]["error"]["message"]
+    assert f"{hosted.url} is proven by its behaviour only, on plain answers" in message
+    assert len(hosted.requests) == 2  # the probe's: no continuation was sent there
+    hosted.close()

@@ -165,7 +165,14 @@ class NextLeg:
         with a reasoning one (tests/test_reasoning.py), checked for each answer."""
         info = self._servers.get(upstream) if self._servers else None
         way = info.continues_by if info else None
-        if not self.transcript.reasoning or way in (None, *LLAMA_SERVER_WAYS):
+        if not self.transcript.reasoning or way is None:
+            return None
+        if (proof := self._unproven(upstream)) is not None:
+            return (
+                f"{upstream.url} is {UNPROVEN[proof]}, on plain answers: where this answer's "
+                "reasoning goes there is not known"
+            )
+        if way in LLAMA_SERVER_WAYS:
             return None
         return (
             f"{upstream.url} continues by {way}, seen to go on with plain answers only: "
