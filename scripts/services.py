@@ -46,7 +46,7 @@ def command() -> Path:
     if not found.exists():
         raise SystemExit(
             f"services: no spillover command beside {sys.executable}: install the project "
-            "(pip install . in the checkout, or scripts/setup.sh) first"
+            "(pipx install or pip install, from a checkout, its git URL or a wheel) first"
         )
     return found
 
