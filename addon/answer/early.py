@@ -101,10 +101,10 @@ class EarlyRefusals:
         """How long to wait before asking the busy primary again, before any other
         server: exactly its Retry-After, once, where that is within the owner's budget
         (None: go on down the ladder)."""
-        wait, budget = self.busy_wait, self._fleet.busy_wait_s
-        if started or wait is None or self._waited or upstream != self._ladder[0]:
+        wait = self.busy_wait
+        if started or wait is None or wait > self._fleet.busy_wait_s or self._waited:
             return None
-        if wait > budget:
+        if upstream != self._ladder[0]:
             return None
         self._waited = True
         self._fleet.router.refused("waited")

@@ -60,11 +60,7 @@ class StartOverGuard:
 def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The held chunks as one: the last one's envelope, finish and usage, every text."""
     last = chunks[-1]
-    text = "".join(
-        (c.get("delta") or {}).get("content") or ""
-        for chunk in chunks
-        for c in chunk.get("choices") or []
-    )
+    text = "".join(_text(chunk) for chunk in chunks)
     choices = last.get("choices") or [{"index": 0, "delta": {}, "finish_reason": None}]
     first = {**choices[0], "delta": {**(choices[0].get("delta") or {}), "content": text}}
     return {**last, "choices": [first, *choices[1:]]}

@@ -13,10 +13,7 @@ while its ids go out: the transcript treats ids whose text has not arrived as un
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-import httpx
 
 from addon.formats.continuation import ChunkRewriter, token_limit
 from addon.formats.rendering import parting_at
@@ -24,10 +21,9 @@ from addon.formats.transcript import Transcript
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
 from addon.servers.engines import CHAT_RENDERING
-from addon.servers.prompts import NotRendered
+from addon.servers.prompts import Ask, NotRendered, rendered
 
 ENGINE = "vllm"
-Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
 SHOWN = 4  # ids shown on each side of where two prompts part
 
 
@@ -130,15 +126,7 @@ class VllmTerms:
         return _ids(await self._asked("/tokenize", request))
 
     async def _asked(self, path: str, body: dict[str, Any]) -> Any:
-        try:
-            return await self._ask(path, body)
-        except httpx.HTTPStatusError as exc:
-            raise NotRendered(
-                f"{self.url} did not render the request (HTTP {exc.response.status_code} "
-                f"from {path}: {exc.response.text[:200]})"
-            ) from None
-        except (httpx.HTTPError, ValueError) as exc:
-            raise NotRendered(f"{self.url} did not render the request ({exc!r})") from None
+        return await rendered(self._ask, self.url, path, body)
 
 
 def _ids(answer: Any) -> list[int]:

@@ -116,12 +116,13 @@ class ServerDirectory(PromptQuestions):
         else:
             self._in_background(self.recheck(upstream, generate=False))
 
-    async def _probe_again(self, upstream: Upstream) -> None:
+    async def _probe_again(self, upstream: Upstream, generate: bool = True) -> None:
+        """`probe` again, unless it is being probed now."""
         if upstream in self._probing:
             return
         self._probing.add(upstream)
         try:
-            await self.probe(upstream, generate=True)
+            await self.probe(upstream, generate)
         finally:
             self._probing.discard(upstream)
 
@@ -155,11 +156,7 @@ class ServerDirectory(PromptQuestions):
             return None
         why = f"{' and '.join(changed)} changed since it was proven"
         log.warning("%s: %s: learning it again", upstream.url, why)
-        self._probing.add(upstream)
-        try:
-            await self.probe(upstream, generate)
-        finally:
-            self._probing.discard(upstream)
+        await self._probe_again(upstream, generate)
         return why
 
     def get(self, upstream: Upstream) -> ServerInfo:

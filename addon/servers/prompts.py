@@ -3,6 +3,7 @@ engines that render on asking), its tokens' count, and so the room a request tak
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -13,9 +14,27 @@ from addon.servers import engines
 from addon.servers.engines import ROUTER
 from addon.servers.upstream import Upstream
 
+Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
+
 
 class NotRendered(Exception):
     """A server did not render a chat request; the message says why."""
+
+
+async def rendered(ask: Ask, url: str, path: str, body: Any) -> Any:
+    """The answer to a question that renders a chat request (llama-server's
+    `/apply-template`, vLLM's `/tokenize`). Raises NotRendered, naming the cause."""
+    try:
+        return await ask(path, body)
+    except httpx.ConnectError as exc:
+        raise NotRendered(f"cannot connect to {url}: {exc!r}") from None
+    except httpx.HTTPStatusError as exc:
+        raise NotRendered(
+            f"{url} did not render the request (HTTP {exc.response.status_code} from "
+            f"{path}: {exc.response.text[:200]})"
+        ) from None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise NotRendered(f"{url} did not render the request ({exc!r})") from None
 
 
 class PromptQuestions:
@@ -57,18 +76,11 @@ class PromptQuestions:
         request = rendering_request(body)
         if self.get(upstream).engine == ROUTER:
             request["model"] = self.own_model(upstream, body.get("model")) or body.get("model")
-        try:
-            prompt = (await self._ask(upstream, "/apply-template", request))["prompt"]
-        except httpx.ConnectError as exc:
-            raise NotRendered(f"cannot connect to {upstream.url}: {exc!r}") from None
-        except httpx.HTTPStatusError as exc:
-            said = exc.response.text[:200]
-            raise NotRendered(
-                f"{upstream.url} did not render the request (HTTP {exc.response.status_code} "
-                f"from /apply-template: {said})"
-            ) from None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise NotRendered(f"{upstream.url} did not render the request ({exc!r})") from None
+        answer = await rendered(
+            lambda path, body: self._ask(upstream, path, body), upstream.url, "/apply-template",
+            request,
+        )  # fmt: skip
+        prompt = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(prompt, str):
             raise NotRendered(f"{upstream.url} did not render the request (no prompt)")
         return prompt
