@@ -6,22 +6,26 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import httpx
-import pytest
 
 from scripts.testbed.llamaserver import find_binary
 from scripts.testbed.prompts import chat_body
+from tests.quickstart import (
+    PROXY,
+    REPO,
+    doc_block,
+    running_as_written,
+    skip_where_the_ports_are_taken,
+    wait_until_ready,
+    your_models,
+)
 from tests.streams import read_stream
 
-REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -65,53 +69,20 @@ def test_the_handoff_timeline_is_drawn_from_a_real_run(tmp_path: Path) -> None:
     assert "memory pressure on drm:card0" in run.stdout
 
 
-QUICK_START_PORTS = (8081, 8082, 8090)
-
-
-def skip_where_the_ports_are_taken() -> None:
-    for port in QUICK_START_PORTS:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                pytest.skip(f"port {port}, which the quick start uses, is taken here")
-
-
-def wait_until_ready(proxy: str) -> None:
-    """Until the proxy knows its fallback continues answers (or two minutes)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            servers = httpx.get(f"{proxy}/spillover/status").json()["servers"]
-            if servers.get("http://127.0.0.1:8082", {}).get("settled"):
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(0.2)
-
-
-def test_the_quick_start_runs_as_written() -> None:
+def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     """The README's five lines for your own server, run by bash from the checkout: the
     proxy on 8090 answers a question with the primary's own answer. (Skipped where
     another program holds one of its ports.)"""
     skip_where_the_ports_are_taken()
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"## In front of your own server\n\n```sh\n(.*?)```", text, re.S)
-    assert block is not None
-    run = subprocess.Popen(
-        ["bash", "-c", block.group(1)], cwd=REPO, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    proxy = "http://127.0.0.1:8090"
-    try:
-        wait_until_ready(proxy)
+    script = doc_block("README.md", "## In front of your own server\n")
+    with running_as_written(script, tmp_path, {}, cwd=REPO):
+        wait_until_ready("http://127.0.0.1:8082")
         body = {**chat_body(8), "stream": False}
-        via = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
+        via = httpx.post(f"{PROXY}/v1/chat/completions", json=body, timeout=60)
         direct = httpx.post("http://127.0.0.1:8081/v1/chat/completions", json=body, timeout=60)
-        assert via.status_code == 200
-        answer = via.json()["choices"][0]["message"]["content"]
-        assert answer and answer == direct.json()["choices"][0]["message"]["content"]
-    finally:
-        os.killpg(run.pid, signal.SIGTERM)
-        run.wait(timeout=30)
+    assert via.status_code == 200
+    answer = via.json()["choices"][0]["message"]["content"]
+    assert answer and answer == direct.json()["choices"][0]["message"]["content"]
 
 
 def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_path: Path) -> None:
@@ -120,31 +91,17 @@ def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_p
     the rest as written. No GPU here, so both servers run on the CPU (`-ngl 99` offloads
     nothing). A handoff asked of the proxy goes to the fallback."""
     skip_where_the_ports_are_taken()
-    text = (REPO / "docs" / "your-cards.md").read_text()
-    block = re.search(r"## One card: .*?```sh\n(.*?)```", text, re.S)
-    assert block is not None
-    first, rest = block.group(1).split("\n", 1)
-    assert first.startswith("BIG=")
-    chosen = f"BIG={models['primary']} SMALL={models['fallback']}\n"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "llama-server").symlink_to(find_binary())
-    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
-    run = subprocess.Popen(
-        ["bash", "-c", chosen + rest], cwd=tmp_path, start_new_session=True,
-        env={**os.environ, "PATH": path}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    script = your_models(
+        doc_block("docs/your-cards.md", "## One card: "),
+        BIG=models["primary"], SMALL=models["fallback"],
     )  # fmt: skip
-    proxy = "http://127.0.0.1:8090"
-    try:
-        wait_until_ready(proxy)
+    with running_as_written(script, tmp_path, {"llama-server": find_binary()}):
+        wait_until_ready("http://127.0.0.1:8082")
         # A long answer, and the handoff asked early: the tiny primary writes fast, and
         # an answer that has all reached the proxy has nothing left to move.
         stream = read_stream(
-            proxy, chat_body(800),
-            on_chunk=lambda n: n == 3 and httpx.post(f"{proxy}/spillover/handoff"),
+            PROXY, chat_body(800),
+            on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
         )  # fmt: skip
-        assert stream.status == 200 and len(stream.notes) == 1, stream.notes
-        assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
-    finally:
-        os.killpg(run.pid, signal.SIGTERM)
-        run.wait(timeout=30)
+    assert stream.status == 200 and len(stream.notes) == 1, stream.notes
+    assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]

@@ -7,10 +7,12 @@ other way round, a vLLM primary cut mid-answer is continued by llama-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from addon.servers.engines import CHAT_RENDERING
 from addon.servers.upstream import Upstream
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
-from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.llamaserver import LlamaServer, find_binary
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
@@ -42,8 +44,17 @@ from scripts.testbed.vllmserver import (
     ensure_usable,
     hf_copy,
 )
+from scripts.testbed.vllmserver import command as vllm_command
 from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.chat_shapes import SHAPES, transcript
+from tests.quickstart import (
+    PROXY,
+    doc_block,
+    running_as_written,
+    skip_where_the_ports_are_taken,
+    wait_until_ready,
+    your_models,
+)
 from tests.streams import (
     RawStream,
     assert_one_clean_stream,
@@ -53,6 +64,7 @@ from tests.streams import (
 )
 from tests.test_routing import live_on
 from tests.test_splice import held
+from watchers.listeners import descendants, listening_pids
 
 # vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
 pytestmark = pytest.mark.timeout(420)
@@ -625,20 +637,48 @@ async def _vllm_verdict(
     return way, ""
 
 
-def test_a_killed_vllm_primary_is_continued_by_llama_server(
-    start_proxy, vllm: VllmServer, fallback: LlamaServer
+def test_the_vllm_quick_start_runs_as_written_and_a_killed_vllm_is_continued(
+    vllm: VllmServer, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Last in this module: it kills the module's vLLM. Both serve the same weights (the
-    fallback GGUF and its HF copy); the text after the cut is llama-server's own
-    continuation of what the client had."""
-    proxy = start_proxy(vllm.url, [fallback.url])
-    known = proxy.servers_known()
-    assert known[vllm.url]["engine"] == "vllm"
-    stream = read_stream(
-        proxy.url, chat_body(LONG, model=SERVED_NAME), on_chunk=lambda n: n == 20 and vllm.kill()
-    )
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert f"{vllm.url} -> {fallback.url}" in note
-    before, after = stream.segments
-    assert before and after == continuation(fallback.url, before, LONG - stream.segment_tokens[0])
+    """Last in this module. docs/your-cards.md's vLLM block, run by bash: its first line
+    (your models) set to the tiny fallback's HF copy and the fallback itself (the same
+    weights), `vllm` vLLM's own command, `llama-server` the setup's, the rest as written.
+    The module's vLLM is stopped first (two cores). vLLM is killed mid-answer; after the
+    cut the client gets llama-server's own continuation of what it had."""
+    skip_where_the_ports_are_taken()
+    vllm.stop()
+    script = your_models(
+        doc_block("docs/your-cards.md", "## vLLM as the primary"),
+        BIG=hf_copy(models["fallback"]), SMALL=models["fallback"],
+    )  # fmt: skip
+    commands = {"vllm": vllm_command(), "llama-server": find_binary()}
+    primary, fallback = "http://127.0.0.1:8081", "http://127.0.0.1:8082"
+    with running_as_written(script, tmp_path, commands, vllm.environment()):
+        served = wait_for_model(primary, timeout=300)
+        body = chat_body(LONG, model=served)
+        httpx.post(f"{PROXY}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+        known = wait_until_ready(primary, fallback)
+        assert known[primary]["engine"] == "vllm", known
+        (api_server,) = listening_pids(8081)
+
+        def kill_vllm() -> None:
+            for pid in [api_server, *descendants(api_server)]:
+                os.kill(pid, signal.SIGKILL)
+
+        stream = read_stream(PROXY, body, on_chunk=lambda n: n == 20 and kill_vllm())
+        assert_one_clean_stream(stream)
+        (note,) = stream.notes
+        assert f"{primary} -> {fallback}" in note
+        before, after = stream.segments
+        rest = LONG - stream.segment_tokens[0]
+        assert before and after == continuation(fallback, before, rest)
+
+
+def wait_for_model(url: str, timeout: float) -> str:
+    """The name of the model `url` serves, once it serves one (or `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            return httpx.get(f"{url}/v1/models", timeout=1).json()["data"][0]["id"]
+        time.sleep(0.5)
+    raise AssertionError(f"{url} served no model within {timeout:.0f}s")

