@@ -13,9 +13,11 @@ import shutil
 import struct
 import subprocess
 import sys
+import tarfile
 import termios
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -67,21 +69,68 @@ def test_every_command_has_help_and_a_mistake_is_named() -> None:
     assert nobody.returncode == 1 and "no proxy at http://127.0.0.1:9" in nobody.stderr
 
 
-def built_wheel(tmp_path: Path) -> Path:
-    """The wheel pip builds from the files a clone has (a checkout's egg-info would add
-    what the package list lacks)."""
-    wheels, source = tmp_path / "wheels", tmp_path / "source"
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-        text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    for name in listed:
+def clone_files() -> list[str]:
+    """The files a clone of this repository has (from git where this is a checkout; an
+    unpacked sdist has no .git, and its files are the clone's)."""
+    if (REPO / ".git").exists():
+        return subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+            text=True, check=True,
+        ).stdout.split()  # fmt: skip
+    skipped = (".venv", ".pytest_cache", ".ruff_cache", "__pycache__", "PKG-INFO", "setup.cfg")
+    return [
+        str(path.relative_to(REPO)) for path in REPO.rglob("*")
+        if path.is_file() and not any(p in skipped or p.endswith(".egg-info") for p in path.parts)
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Built:
+    sdist: Path
+    wheel: Path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """The sdist and the wheel `python -m build` makes from a copy of the clone's files
+    (a checkout's egg-info would add what the package list lacks); the wheel is built
+    from the sdist, as a package index's builders do."""
+    tmp_path = tmp_path_factory.mktemp("built")
+    dist, source = tmp_path / "dist", tmp_path / "source"
+    for name in clone_files():
         if (REPO / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, source / name)
-    subprocess.run([*PIP, "wheel", "--no-deps", "-w", wheels, source], check=True, timeout=300)
-    (wheel,) = wheels.glob("spillover-*.whl")
-    return wheel
+    subprocess.run(
+        [sys.executable, "-m", "build", "-q", "--outdir", dist, source],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    (sdist,) = dist.glob("spillover-*.tar.gz")
+    (wheel,) = dist.glob("spillover-*.whl")
+    return Built(sdist, wheel)
+
+
+def test_the_sdist_holds_the_clone_and_its_tests_run_from_it(built: Built, tmp_path: Path) -> None:
+    """Every file a clone has is in the sdist (the tests, the test bed, the tiny models'
+    sources, the recordings, the manual, CI's script), and the tests are collected from
+    the unpacked sdist as they are from the clone: nothing they import is missing."""
+    with tarfile.open(built.sdist) as opened:
+        opened.extractall(tmp_path, filter="data")
+        names = {name.split("/", 1)[1] for name in opened.getnames() if "/" in name}
+    missing = set(clone_files()) - names - {".gitignore"}
+    assert not missing, sorted(missing)
+    (unpacked,) = tmp_path.glob("spillover-*")
+
+    def collected(where: Path) -> list[str]:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+            cwd=where, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stdout[-3000:]
+        return [line for line in listed.stdout.splitlines() if "::" in line]
+
+    from_sdist = collected(unpacked)
+    assert from_sdist and from_sdist == collected(REPO)
 
 
 def on_a_terminal(argv: list[str], seconds: float = 3) -> str:
@@ -110,12 +159,12 @@ PIP = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
 TEST_BED = re.compile(r"^\s*(from|import) scripts\.(testbed|bench|gpu)\b", re.MULTILINE)
 
 
-def test_the_wheel_installs_one_package_and_its_commands_run(tmp_path: Path) -> None:
+def test_the_wheel_installs_one_package_and_its_commands_run(built: Built, tmp_path: Path) -> None:
     """The wheel, installed (without its dependencies, which this venv has) into a folder
     of its own: one top-level package, `spillover`, with its license and without the test
     bed, the benchmarks or the GPU proof (nothing in it imports them); `addon`, `scripts`
     and `watchers` are not importable beside it, yet its command answers for every tool."""
-    wheel = built_wheel(tmp_path)
+    wheel = built.wheel
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     info = wheel.name.removesuffix("-py3-none-any.whl") + ".dist-info"
@@ -155,7 +204,7 @@ def test_the_wheel_installs_one_package_and_its_commands_run(tmp_path: Path) -> 
 
 
 def test_a_fresh_venv_from_the_wheel_runs_every_command(
-    tmp_path: Path, start_server, fallback, server_logs: Path
+    built: Built, tmp_path: Path, start_server, fallback, server_logs: Path
 ) -> None:
     """As a user installs it: a new virtual environment, the wheel and its dependencies
     from the package index (not numpy: gguf is an extra), then every command from that
@@ -164,7 +213,7 @@ def test_a_fresh_venv_from_the_wheel_runs_every_command(
     `mitmdump -s "$(spillover addon-path)"` with a handoff."""
     if (why := haproxy_missing()) is not None:
         pytest.skip(why)
-    wheel = built_wheel(tmp_path)
+    wheel = built.wheel
     fresh = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", fresh], check=True)
     bin_dir = fresh / "bin"
