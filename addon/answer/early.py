@@ -1,5 +1,6 @@
-"""One request's refusals before its first byte (servers/refusals.py): whether it goes on
-to another server, and when a busy server that is the only one left is asked again.
+"""One request's refusals (servers/refusals.py): a leg answered with another status than
+200, whether the answer goes on to another server, and, before its first byte, when a
+busy server that is the only one left is asked again.
 
 A busy server (408, 429, 503) is marked so for its Retry-After, and new requests start
 elsewhere meanwhile. A request the primary refused so, asking for a wait within the
@@ -26,14 +27,16 @@ from typing import Any
 
 from addon.answer.fleet import Fleet
 from addon.answer.ladder import Ladder
-from addon.formats.wire import Header
+from addon.formats.wire import ClientStream, Header
 from addon.servers import refusals
-from addon.servers.upstream import Upstream
+from addon.servers.upstream import Response, Upstream
 
+NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 SHORT_WAIT_S = 5.0  # the longest Retry-After waited out where no other server is left
 RETRIES = 2
 CALM = ("ok", "unknown")  # router states in which a primary's 5xx is asked again
 log = logging.getLogger(__name__)
+Refusal = tuple[int, list[Header], bytes, bytes]  # status, headers, body, reason
 
 
 def add_refusal_options(loader: Any) -> None:
@@ -61,13 +64,42 @@ class EarlyRefusals:
         self._retries = 0
         self._asked_again = False  # a server error was asked again on the primary
         self._waited = False  # a busy primary's Retry-After was waited out
+        # The first server's own error response, if it refused before any byte went out.
+        self.first_refusal: Refusal | None = None
 
     def new_leg(self) -> None:
         self.busy_wait = self._server_error = None
 
-    def elsewhere(
-        self, upstream: Upstream, refusal: tuple[int, list[Header], bytes, bytes]
-    ) -> str | None:
+    async def refused(
+        self, response: Response, upstream: Upstream, path: str, client: ClientStream,
+        primary: Upstream, first_leg: bool,
+    ) -> str | None:  # fmt: skip
+        """A leg answered with another status than 200: why it failed (the answer goes on
+        to another server), or None where the client has been given the refusal as is."""
+        status, url = response.status, upstream.url
+        if status in NOT_SERVED and upstream != primary:
+            return f"{url} does not serve {path} (HTTP {status})"
+        if client.started:
+            # A continuation refused (a server that takes no partial answer says so with
+            # a 4xx): its own words go into the reason.
+            said = await response.read_all() if status < 500 else b""
+            words = said[:200].decode(errors="replace").strip()
+            return f"HTTP {status} from {url}" + (f": {words}" if words else "")
+        refusal = (status, list(response.headers), await response.read_all(), response.reason)
+        if (elsewhere := self.elsewhere(upstream, refusal)) is not None:
+            # The client's own error, if no other server can answer: the first.
+            self.first_refusal = self.first_refusal or refusal
+            return elsewhere
+        if status < 500:
+            # The request itself was refused, by the first server or by one that was
+            # asked it unchanged: the client gets the refusal as is.
+            client.respond(*refusal)
+            return None
+        if first_leg:
+            self.first_refusal = refusal  # for the client, if no other server can answer
+        return f"HTTP {status} from {url}"
+
+    def elsewhere(self, upstream: Upstream, refusal: Refusal) -> str | None:
         """Why this refusal sends the request on to another server, or None (the client
         gets it as it is)."""
         status, head, said, _ = refusal

@@ -21,6 +21,7 @@ from addon.answer.ladder import Ladder
 from addon.answer.notes import Notes
 from addon.answer.pace import Pace
 from addon.answer.pump import Pump
+from addon.answer.resume import Resume
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
@@ -31,7 +32,6 @@ from addon.servers.credentials import redacted
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
 
-NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,6 @@ class Splice:
         self._fleet = fleet
         self._answer = answer
         self._accepted = False  # the primary has answered: the client is one it lets in
-        # The primary's own error response, if it refused before any byte went out.
-        self._refusal: tuple[int, list[Header], bytes, bytes] | None = None
         self.body = body
         self.ladder = list(route.ladder)
         servers = fleet.servers
@@ -95,6 +93,7 @@ class Splice:
         self._limits = fleet.pace
         self._pace: Pace | None = None  # the current leg's
         self._early = EarlyRefusals(fleet, self.ladder, self._rungs)
+        self._resume = Resume(fleet, self._next, answer, self.primary, self._admits)
 
     def _admits(self, server: Upstream) -> bool:
         """Whether the answer may go on on `server` now: the client may be served there
@@ -288,8 +287,8 @@ class Splice:
         log.warning("an answer to %s ended%s: %s", self.primary.url, delivered, message)
         if client.started:
             client.end(self.dialect.error_end(message))
-        elif self._refusal is not None:
-            client.respond(*self._refusal)  # the primary's own error
+        elif (refusal := self._early.first_refusal) is not None:
+            client.respond(*refusal)  # the primary's own error
         else:
             client.respond(502, *self.dialect.refusal(message))
 
@@ -308,19 +307,8 @@ class Splice:
                     body = rerouted(self.body, body, own)
                 path, rewriter = self.path, None
             else:
-                if (changed := await self._changed(upstream)) is not None:
-                    self._notes.tell(client, self.handoffs)
-                    return changed
-                try:
-                    restored = await self._carry_state(upstream)
-                    handoff = self.handoffs[-1]
-                    judge = self._judge(upstream, handoff) if restored is not None else None
-                    request = await self._next.request(
-                        upstream, handoff, restored is not None, judge
-                    )
-                except Exception as exc:  # one answer's odd shape must not end it unexplained
-                    log.exception("cannot build the continuation for %s", upstream.url)
-                    request = f"cannot build a continuation for {upstream.url}: {exc!r}"
+                prepared = await self._resume.prepare(upstream, self.handoffs[-1])
+                request, restored = prepared.request, prepared.restored
                 if isinstance(request, str) or restored is None:
                     self._notes.tell(client, self.handoffs)
                 else:
@@ -335,36 +323,7 @@ class Splice:
                 self._tell_at_first_byte = False
                 self._notes.tell(client, self.handoffs)
             if restored is not None:
-                # Kept from other migrations until its continuation has been answered.
-                self._fleet.migrator.release(upstream.url, restored)
-
-    def _judge(self, upstream: Upstream, handoff: Handoff) -> Callable[[dict[str, Any]], None]:
-        """What says, from the continuation's first timings, what a restore saved."""
-        moved = handoff.migration
-        assert moved is not None
-        return lambda timings: self._fleet.migrator.judge(upstream.url, moved, timings)
-
-    async def _changed(self, upstream: Upstream) -> str | None:
-        """Why `upstream` may no longer take this continuation: it changed since it was
-        proven (asked now, and learnt again where it did) and is no longer admitted."""
-        generate = upstream != self.primary  # a primary is asked nothing that generates
-        if (changed := await self._fleet.servers.recheck(upstream, generate)) is None:
-            return None
-        if self._admits(upstream):
-            return None  # learnt again, and it still continues: the leg uses what is known now
-        return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
-
-    async def _carry_state(self, upstream: Upstream) -> int | None:
-        """Before a continuation on `upstream`: let a shadow prefill in flight there end;
-        where none holds the answer, move its KV state there when a migration should
-        (the slot it is in)."""
-        if await self._fleet.shadows.settled(self._answer, upstream):
-            return None  # the shadow's slot holds almost all of it
-        if (migrator := self._fleet.migrating) is None:
-            return None
-        return await migrator.for_handoff(
-            self._next, self._fleet.servers, upstream, self.handoffs[-1]
-        )
+                self._resume.release(upstream, restored)
 
     async def _stream_leg(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
@@ -412,30 +371,9 @@ class Splice:
             response.tap = exchange.keep
         try:
             if response.status != 200:
-                if response.status in NOT_SERVED and upstream != self.primary:
-                    return f"{upstream.url} does not serve {path} (HTTP {response.status})"
-                if client.started:
-                    # A continuation refused (a server that takes no partial answer says
-                    # so with a 4xx): its own words go into the reason.
-                    said = await response.read_all() if response.status < 500 else b""
-                    words = said[:200].decode(errors="replace").strip()
-                    return f"HTTP {response.status} from {upstream.url}" + (
-                        f": {words}" if words else ""
-                    )
-                said, head = await response.read_all(), list(response.headers)
-                refusal = (response.status, head, said, response.reason)
-                if (elsewhere := self._early.elsewhere(upstream, refusal)) is not None:
-                    # The client's own error, if no other server can answer: the first.
-                    self._refusal = self._refusal or refusal
-                    return elsewhere
-                if response.status < 500:
-                    # The request itself was refused, by the first server or by one that
-                    # was asked it unchanged: the client gets the refusal as is.
-                    client.respond(*refusal)
-                    return None
-                if not self.handoffs:
-                    self._refusal = refusal  # for the client, if no other server can answer
-                return f"HTTP {response.status} from {upstream.url}"
+                return await self._early.refused(
+                    response, upstream, path, client, self.primary, not self.handoffs
+                )
             if not self.streaming:
                 answer = await response.read_all()
                 notes = self._notes.headers(self.handoffs)
