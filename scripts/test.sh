@@ -23,6 +23,7 @@ install() {  # PROGRAM PACKAGES... : install PACKAGES unless PROGRAM is found
 install chromium chromium fonts-noto-color-emoji
 install tmux tmux
 install haproxy haproxy
+install dockerd docker.io
 install nft nftables
 install curl curl
 install sudo sudo

@@ -4,12 +4,14 @@ commands it names found on PATH (the ones this machine has), and the proxy it st
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,11 +25,21 @@ PROXY = "http://127.0.0.1:8090"
 QUICK_START_PORTS = (8081, 8082, 8090)
 
 
-def skip_where_the_ports_are_taken() -> None:
-    for port in QUICK_START_PORTS:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                pytest.skip(f"port {port}, which the quick start uses, is taken here")
+@contextmanager
+def quick_start_ports() -> Iterator[None]:
+    """The ports the docs' blocks use (8081, 8082, 8090), held for one test: the tests
+    that run a block wait for each other (they run in parallel workers); where another
+    program holds one of the ports, the test is skipped."""
+    with open(Path(tempfile.gettempdir()) / "spillover-quick-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for port in QUICK_START_PORTS:
+                with socket.socket() as probe:
+                    if probe.connect_ex(("127.0.0.1", port)) == 0:
+                        pytest.skip(f"port {port}, which the quick start uses, is taken here")
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def doc_block(page: str, heading: str) -> str:
@@ -52,25 +64,40 @@ def running_as_written(
     commands: dict[str, Path],
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    output: Path | None = None,
 ) -> Iterator[subprocess.Popen]:
     """`script` run by bash in `cwd` (else `tmp_path`), `commands` (name: program) first
-    on PATH, this checkout's `spillover` next; everything it started is stopped at the
-    end."""
+    on PATH, this checkout's `spillover` next, what it prints kept in `output`;
+    everything it started is stopped at the end."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, program in commands.items():
         (bin_dir / name).symlink_to(program)
     path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
-    run = subprocess.Popen(
-        ["bash", "-c", script], cwd=cwd or tmp_path, start_new_session=True,
-        env={**os.environ, **(env or {}), "PATH": path},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    with open(output or os.devnull, "wb") as printed:
+        run = subprocess.Popen(
+            ["bash", "-c", script], cwd=cwd or tmp_path, start_new_session=True,
+            env={**os.environ, **(env or {}), "PATH": path},
+            stdout=printed, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
         yield run
     finally:
-        os.killpg(run.pid, signal.SIGTERM)
-        run.wait(timeout=60)
+        _stop_group(run)
+
+
+def _stop_group(run: subprocess.Popen) -> None:
+    """Stop bash and every process it started, and wait until they are gone (their
+    ports free for the next block)."""
+    os.killpg(run.pid, signal.SIGTERM)
+    run.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline + 10:
+        try:
+            os.killpg(run.pid, signal.SIGKILL if time.monotonic() > deadline else 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def wait_until_ready(*urls: str, timeout: float = 120) -> dict:

@@ -19,8 +19,8 @@ from tests.quickstart import (
     PROXY,
     REPO,
     doc_block,
+    quick_start_ports,
     running_as_written,
-    skip_where_the_ports_are_taken,
     wait_until_ready,
     your_models,
 )
@@ -73,16 +73,16 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     """The README's five lines for your own server, run by bash from the checkout: the
     proxy on 8090 answers a question with the primary's own answer. (Skipped where
     another program holds one of its ports.)"""
-    skip_where_the_ports_are_taken()
-    script = doc_block("README.md", "## In front of your own server\n")
-    with running_as_written(script, tmp_path, {}, cwd=REPO):
-        wait_until_ready("http://127.0.0.1:8082")
-        body = {**chat_body(8), "stream": False}
-        via = httpx.post(f"{PROXY}/v1/chat/completions", json=body, timeout=60)
-        direct = httpx.post("http://127.0.0.1:8081/v1/chat/completions", json=body, timeout=60)
-    assert via.status_code == 200
-    answer = via.json()["choices"][0]["message"]["content"]
-    assert answer and answer == direct.json()["choices"][0]["message"]["content"]
+    with quick_start_ports():
+        script = doc_block("README.md", "## In front of your own server\n")
+        with running_as_written(script, tmp_path, {}, cwd=REPO):
+            wait_until_ready("http://127.0.0.1:8082")
+            body = {**chat_body(8), "stream": False}
+            via = httpx.post(f"{PROXY}/v1/chat/completions", json=body, timeout=60)
+            direct = httpx.post("http://127.0.0.1:8081/v1/chat/completions", json=body, timeout=60)
+        assert via.status_code == 200
+        answer = via.json()["choices"][0]["message"]["content"]
+        assert answer and answer == direct.json()["choices"][0]["message"]["content"]
 
 
 def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_path: Path) -> None:
@@ -90,18 +90,18 @@ def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_p
     to the tiny ones, `llama-server` the one the setup found, `spillover` this checkout's;
     the rest as written. No GPU here, so both servers run on the CPU (`-ngl 99` offloads
     nothing). A handoff asked of the proxy goes to the fallback."""
-    skip_where_the_ports_are_taken()
-    script = your_models(
-        doc_block("docs/your-cards.md", "## One card: "),
-        BIG=models["primary"], SMALL=models["fallback"],
-    )  # fmt: skip
-    with running_as_written(script, tmp_path, {"llama-server": find_binary()}):
-        wait_until_ready("http://127.0.0.1:8082")
-        # A long answer, and the handoff asked early: the tiny primary writes fast, and
-        # an answer that has all reached the proxy has nothing left to move.
-        stream = read_stream(
-            PROXY, chat_body(800),
-            on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
+    with quick_start_ports():
+        script = your_models(
+            doc_block("docs/your-cards.md", "## One card: "),
+            BIG=models["primary"], SMALL=models["fallback"],
         )  # fmt: skip
-    assert stream.status == 200 and len(stream.notes) == 1, stream.notes
-    assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
+        with running_as_written(script, tmp_path, {"llama-server": find_binary()}):
+            wait_until_ready("http://127.0.0.1:8082")
+            # A long answer, and the handoff asked early: the tiny primary writes fast, and
+            # an answer that has all reached the proxy has nothing left to move.
+            stream = read_stream(
+                PROXY, chat_body(800),
+                on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
+            )  # fmt: skip
+        assert stream.status == 200 and len(stream.notes) == 1, stream.notes
+        assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]

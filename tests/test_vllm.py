@@ -50,8 +50,8 @@ from tests.chat_shapes import SHAPES, transcript
 from tests.quickstart import (
     PROXY,
     doc_block,
+    quick_start_ports,
     running_as_written,
-    skip_where_the_ports_are_taken,
     wait_until_ready,
     your_models,
 )
@@ -645,15 +645,17 @@ def test_the_vllm_quick_start_runs_as_written_and_a_killed_vllm_is_continued(
     weights), `vllm` vLLM's own command, `llama-server` the setup's, the rest as written.
     The module's vLLM is stopped first (two cores). vLLM is killed mid-answer; after the
     cut the client gets llama-server's own continuation of what it had."""
-    skip_where_the_ports_are_taken()
-    vllm.stop()
     script = your_models(
         doc_block("docs/your-cards.md", "## vLLM as the primary"),
         BIG=hf_copy(models["fallback"]), SMALL=models["fallback"],
     )  # fmt: skip
     commands = {"vllm": vllm_command(), "llama-server": find_binary()}
     primary, fallback = "http://127.0.0.1:8081", "http://127.0.0.1:8082"
-    with running_as_written(script, tmp_path, commands, vllm.environment()):
+    vllm.stop()
+    with (
+        quick_start_ports(),
+        running_as_written(script, tmp_path, commands, vllm.environment()),
+    ):
         served = wait_for_model(primary, timeout=300)
         body = chat_body(LONG, model=served)
         httpx.post(f"{PROXY}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
