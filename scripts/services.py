@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -175,6 +176,31 @@ def places(args: argparse.Namespace) -> tuple[Path, Path]:
     return args.config_dir or home / "spillover", args.unit_dir or home / "systemd" / "user"
 
 
+def give_to_user(user: str, confdir: Path, create: bool) -> str | None:
+    """Make `confdir` the system units' user's own: the proxy (mitmproxy) writes its
+    certificate authority there, and the proxy and the guard read the control token,
+    which only its owner may. That user is made where it is missing and `create` (a
+    system user, no home, no shell). Why it could not be done, or None."""
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        make = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                "--shell", "/usr/sbin/nologin", user]  # fmt: skip
+        if not create:
+            return f"no user {user} here: `{' '.join(make)}` before starting the units"
+        made = subprocess.run(make, capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"could not make the user {user} ({made.stderr.strip()}): make it, then start"
+        print(f"services: made the system user {user}")
+        entry = pwd.getpwnam(user)
+    try:
+        for path in [confdir, *confdir.rglob("*")]:
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+    except PermissionError:
+        return f"{confdir} is not {user}'s own: `sudo chown -R {user}: {confdir}`"
+    return None
+
+
 def install(args: argparse.Namespace) -> None:
     confdir, units = places(args)
     manager = Manager(args.system, args.run_as, tuple(filter(None, args.after.split(","))))
@@ -232,6 +258,11 @@ def install(args: argparse.Namespace) -> None:
             guard_unit(args.listen, args.proxy_port, args.primary, token, manager)
         )
     print(f"services: wrote {', '.join(str(units / u) for u in written)}")
+    owned = None
+    if manager.system and manager.run_as != "root":
+        owned = give_to_user(manager.run_as, confdir, create=not args.no_start)
+    if owned is not None:
+        print(f"services: {owned}")
     if not args.no_start:
         why = systemctl(manager, "daemon-reload") or systemctl(manager, "enable", "--now", *written)
         if why is not None:

@@ -16,9 +16,8 @@ import pytest
 from scripts.testbed.containers import (
     DockerUnavailable,
     docker,
+    ensure_daemon,
     llama_server_image,
-    start_daemon,
-    stop_daemon,
 )
 from scripts.testbed.llamaserver import find_binary
 from scripts.testbed.memfiles import FakeCard
@@ -39,16 +38,13 @@ LONG = 400
 
 
 @pytest.fixture(scope="module")
-def image(server_logs: Path) -> Iterator[str]:
+def image() -> str:
     """An image of the setup's llama-server, with a docker daemon to run it."""
     try:
-        daemon = start_daemon(server_logs / "dockerd.log")
-        tag = llama_server_image(find_binary())
+        ensure_daemon()
+        return llama_server_image(find_binary())
     except DockerUnavailable as why:
         pytest.skip(f"containers do not run here: {why}")
-    yield tag
-    if daemon is not None:
-        stop_daemon(daemon)
 
 
 def test_the_container_quick_start_runs_and_a_full_card_moves_the_answer(

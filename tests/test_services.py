@@ -1,11 +1,13 @@
 """`scripts.services`: the files it writes run the proxy and the guard as a service
 manager would start them (the commands are taken from the unit files themselves), and
-`uninstall` takes them away again. systemd itself is not running here: the units are
-checked with `systemd-analyze verify` where that is installed."""
+`uninstall` takes them away again. The units are checked with `systemd-analyze verify`
+where that is installed; the system units also run under a real systemd, PID 1 of a
+container, where docker runs."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from scripts.parts.processes import free_port
+from scripts.testbed.containers import DockerUnavailable, docker, ensure_daemon, systemd_image
 from scripts.testbed.mitm import REPO
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import chat_body
@@ -264,11 +267,14 @@ def test_system_units_start_at_boot_as_their_own_user_after_the_engines(tmp_path
     units, as a user of their own; user units order themselves after nothing they cannot
     know (network.target means nothing to a user's manager)."""
     etc, units = tmp_path / "etc", tmp_path / "units"
-    services(
+    said = services(
         tmp_path / "home", "install", "--system", "--config-dir", str(etc), "--unit-dir",
         str(units), "--primary", "http://127.0.0.1:8081", "--fallbacks", "http://127.0.0.1:8082",
         "--after", "llama-server.service,vllm.service", "--no-start",
     )  # fmt: skip
+    if not [user for user in pwd.getpwall() if user.pw_name == "spillover"]:
+        # Only writing: the user is not made, and the message says how.
+        assert "no user spillover here: `useradd --system" in said, said
     proxy, guard = units / "spillover-proxy.service", units / "spillover-guard.service"
     verify(proxy, guard)
     for unit in (proxy, guard):
@@ -314,3 +320,77 @@ def test_the_transparent_mode_runs_as_one_system_unit_with_the_capability_it_nee
         cwd=REPO, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert refused.returncode != 0 and "a system service only (--system)" in refused.stderr
+
+
+def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
+    primary, tmp_path: Path
+) -> None:
+    """Under a real systemd: PID 1 of a container made of this machine's own /usr and
+    /etc (read-only; the units' folder and the options' are the container's own, so none
+    of this machine's services starts there), on its network. `install --system --run-as
+    nobody` (a user that exists) makes the options' folder that user's (mitmproxy writes
+    its certificate authority there) and starts both units: a client's request through
+    the guard is answered by the primary. The proxy SIGKILLed is started again
+    (Restart=on-failure), and after the container reboots both units start at boot."""
+    try:
+        ensure_daemon()
+        image = systemd_image()
+    except DockerUnavailable as why:
+        pytest.skip(f"no systemd container here: {why}")
+    units, options = tmp_path / "units", tmp_path / "options"
+    units.mkdir()
+    options.mkdir()
+    mounts = {"/usr": "ro", "/etc": "ro", str(units): "/etc/systemd/system",
+              str(options): "/srv/spillover", "/sys/fs/cgroup": "rw", str(REPO): "ro"}  # fmt: skip
+    if not sys.base_prefix.startswith("/usr/"):
+        mounts[sys.base_prefix] = "ro"  # the venv's own Python
+    volumes = [
+        f"{here}:{how}" if how.startswith("/") else f"{here}:{here}:{how}"
+        for here, how in mounts.items()
+    ]
+    name = f"spillover-systemd-{os.getpid()}"
+    started = docker(
+        "run", "-d", "--name", name, "--cap-add", "SYS_ADMIN", "--network", "host",
+        "--cgroupns", "host", "--stop-signal", "SIGRTMIN+3", "--tmpfs", "/run",
+        "--tmpfs", "/run/lock", "--tmpfs", "/tmp", *[a for v in volumes for a in ("-v", v)],
+        image, "/lib/systemd/systemd",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+
+    def inside(*argv: str) -> str:
+        return docker("exec", name, *argv).stdout.strip()
+
+    listen, proxy_port = free_port(), free_port()
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    try:
+        wait_until(lambda: inside("systemctl", "is-system-running") in ("running", "degraded"))
+        said = docker(
+            "exec", name, str(Path(sys.executable).parent / "spillover"), "services", "install",
+            "--system", "--run-as", "nobody", "--config-dir", "/srv/spillover",
+            "--primary", primary.url, "--listen", f"127.0.0.1:{listen}",
+            "--proxy-port", str(proxy_port),
+        )  # fmt: skip
+        assert said.returncode == 0 and "clients use" in said.stdout, said.stdout + said.stderr
+        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        body = {**chat_body(8), "stream": False}
+        via = httpx.post(f"http://127.0.0.1:{listen}/v1/chat/completions", json=body, timeout=60)
+        direct = httpx.post(f"{primary.url}/v1/chat/completions", json=body, timeout=60)
+        assert via.json()["choices"] == direct.json()["choices"]
+        pid = inside("systemctl", "show", "-p", "MainPID", "--value", "spillover-proxy")
+        assert inside("stat", "-c", "%U", f"/proc/{pid}") == "nobody"
+        assert inside("stat", "-c", "%U", "/srv/spillover/mitmproxy-ca.pem") == "nobody"
+        inside("kill", "-9", pid)
+        wait_until(
+            lambda: (
+                inside("systemctl", "show", "-p", "MainPID", "--value", "spillover-proxy")
+                not in ("0", pid)
+            )
+        )
+        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        restarted = docker("restart", "-t", "20", name, timeout=60)
+        assert restarted.returncode == 0, restarted.stderr
+        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        booted = inside("systemctl", "is-active", "spillover-proxy", "spillover-guard")
+        assert booted.split() == ["active", "active"]
+    finally:
+        docker("rm", "-f", name)
