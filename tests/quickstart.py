@@ -101,8 +101,8 @@ def _stop_group(run: subprocess.Popen) -> None:
 
 
 def wait_until_ready(*urls: str, timeout: float = 120) -> dict:
-    """Until the proxy has settled what each server in `urls` is (or `timeout`): its
-    status's servers."""
+    """Until the proxy has settled what each server in `urls` is: its status's servers
+    (an AssertionError after `timeout`)."""
     deadline = time.monotonic() + timeout
     servers: dict = {}
     while time.monotonic() < deadline:
@@ -113,4 +113,4 @@ def wait_until_ready(*urls: str, timeout: float = 120) -> dict:
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(0.2)
-    return servers
+    raise AssertionError(f"the proxy has not settled {urls} within {timeout:.0f}s: {servers}")

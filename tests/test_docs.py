@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import httpx
+import pytest
 
 from scripts.testbed.llamaserver import find_binary
 from scripts.testbed.prompts import chat_body
@@ -85,23 +86,31 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
         assert answer and answer == direct.json()["choices"][0]["message"]["content"]
 
 
-def test_the_one_card_quick_start_runs_as_written(models: dict[str, Path], tmp_path: Path) -> None:
-    """docs/your-cards.md's one-card block, run by bash: its first line (your models) set
-    to the tiny ones, `llama-server` the one the setup found, `spillover` this checkout's;
-    the rest as written. No GPU here, so both servers run on the CPU (`-ngl 99` offloads
-    nothing). A handoff asked of the proxy goes to the fallback."""
-    with quick_start_ports():
-        script = your_models(
-            doc_block("docs/your-cards.md", "## One card: "),
-            BIG=models["primary"], SMALL=models["fallback"],
+@pytest.mark.parametrize("heading", ["## Two cards: ", "## One card: "])
+def test_the_cards_quick_starts_run_as_written(
+    heading: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """docs/your-cards.md's blocks for two cards and for one, run by bash: the first line
+    (your models) set to the tiny ones, `llama-server` the one the setup found,
+    `spillover` this checkout's; the rest as written. No GPU here, so the servers run on
+    the CPU (`-ngl 99` offloads nothing, `CUDA_VISIBLE_DEVICES` picks nothing). A
+    handoff asked of the proxy goes to the fallback."""
+    script = your_models(
+        doc_block("docs/your-cards.md", heading), BIG=models["primary"], SMALL=models["fallback"]
+    )
+    printed = tmp_path / "printed"
+    commands = {"llama-server": find_binary()}
+    with quick_start_ports(), running_as_written(script, tmp_path, commands, output=printed):
+        wait_until_ready("http://127.0.0.1:8082")
+        # A long answer, and the handoff asked early: the tiny primary writes fast, and
+        # an answer that has all reached the proxy has nothing left to move.
+        stream = read_stream(
+            PROXY, chat_body(800),
+            on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
         )  # fmt: skip
-        with running_as_written(script, tmp_path, {"llama-server": find_binary()}):
-            wait_until_ready("http://127.0.0.1:8082")
-            # A long answer, and the handoff asked early: the tiny primary writes fast, and
-            # an answer that has all reached the proxy has nothing left to move.
-            stream = read_stream(
-                PROXY, chat_body(800),
-                on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
-            )  # fmt: skip
-        assert stream.status == 200 and len(stream.notes) == 1, stream.notes
-        assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
+    assert stream.status == 200 and len(stream.notes) == 1, stream.notes
+    assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
+    if "doctor" in script:  # run once both answered: it names each server's model
+        said = printed.read_text()
+        assert "ok  http://127.0.0.1:8081: llama-server, primary.gguf" in said, said
+        assert "ok  http://127.0.0.1:8082: llama-server, fallback.gguf" in said, said
