@@ -97,6 +97,12 @@ def describe_server(url: str, info: ServerInfo | str, cards: CardMap) -> str:
     if isinstance(info, str):
         return f"{MISSING}{url}: {info}"
     if info.engine == "openai-compatible" and not info.models:
+        held = cards.mapping_of(url)
+        if held.pids:  # a server answers 503 to everything while it loads its model
+            return (
+                f"{MISSING}{url}: answers neither /props nor /v1/models, though its port is "
+                f"held: still loading its model? Ask again once it has loaded ({held})"
+            )
         return f"{MISSING}{url}: answers neither /props nor /v1/models; is it running?"
     context = f"{info.slot_context} ctx/slot" if info.slot_context else "context per slot unknown"
     model = Path(info.model or "?").name

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from scripts.doctor import CGROUP_ROOT, cgroup2_mount
@@ -92,3 +95,37 @@ def test_nvml_and_cuda_numbers_are_matched_by_pci_bus() -> None:
     assert cardorder.normal("00000000:b3:00.0") == cardorder.normal("0000:B3:00.0")
     assert cardorder.normal("not a bus id") is None
     assert cardorder.cuda_indexes(nvml, ["0000:17:00.0", "0000:65:00.0"]) == {0: 0, 1: 1}
+
+
+class Loading(BaseHTTPRequestHandler):
+    """What llama-server answers to every route while it loads its model (a stand-in: a
+    real one loads the test models too fast to be caught at it)."""
+
+    def do_GET(self) -> None:
+        said = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(said)))
+        self.end_headers()
+        self.wfile.write(said)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_server_still_loading_is_told_apart_from_one_not_running() -> None:
+    loading = ThreadingHTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=loading.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{loading.server_address[1]}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "scripts.doctor", "--servers", f"{url},http://127.0.0.1:9"],
+            cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
+        ).stdout  # fmt: skip
+    finally:
+        loading.shutdown()
+    assert f"--  {url}: answers neither /props nor /v1/models, though its port is held: " in out
+    assert "still loading its model?" in out and f"pid {os.getpid()} (" in out
+    assert "--  http://127.0.0.1:9: answers neither /props nor /v1/models; is it running?" in out
