@@ -75,7 +75,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     proxy on 8090 answers a question with the primary's own answer. (Skipped where
     another program holds one of its ports.)"""
     with quick_start_ports():
-        script = doc_block("README.md", "## In front of your own server\n")
+        script = doc_block("README.md", "## By hand, on the tiny models\n")
         with running_as_written(script, tmp_path, {}, cwd=REPO):
             wait_until_ready("http://127.0.0.1:8082")
             body = {**chat_body(8), "stream": False}
