@@ -22,6 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PROXY = "http://127.0.0.1:8090"
+CALM = ("ok", "unknown")  # a server's routing states in which new answers start on it
 QUICK_START_PORTS = (8081, 8082, 8090)
 
 
@@ -101,16 +102,20 @@ def _stop_group(run: subprocess.Popen) -> None:
 
 
 def wait_until_ready(*urls: str, timeout: float = 120) -> dict:
-    """Until the proxy has settled what each server in `urls` is: its status's servers
-    (an AssertionError after `timeout`)."""
+    """Until the proxy has settled what each server in `urls` is, and none is down (one
+    that was not up when the proxy started is until its /health answers): its status's
+    servers (an AssertionError after `timeout`)."""
     deadline = time.monotonic() + timeout
-    servers: dict = {}
+    status: dict = {}
     while time.monotonic() < deadline:
         try:
-            servers = httpx.get(f"{PROXY}/spillover/status").json()["servers"]
-            if all(servers.get(url, {}).get("settled") for url in urls):
+            status = httpx.get(f"{PROXY}/spillover/status").json()
+            servers, states = status["servers"], status["routing"]["states"]
+            if all(
+                servers.get(url, {}).get("settled") and states[url]["state"] in CALM for url in urls
+            ):
                 return servers
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(0.2)
-    raise AssertionError(f"the proxy has not settled {urls} within {timeout:.0f}s: {servers}")
+    raise AssertionError(f"the proxy has not settled {urls} within {timeout:.0f}s: {status}")

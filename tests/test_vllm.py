@@ -661,20 +661,26 @@ def test_the_vllm_quick_start_runs_as_written_and_a_killed_vllm_is_continued(
         running_as_written(script, tmp_path, commands, vllm.environment()),
     ):
         served = wait_for_model(primary, timeout=300)
+        # The proxy learns a primary that was not up when it started from its first
+        # request: a short one (a long answer without streaming would look stalled).
+        first = {**chat_body(4, model=served), "stream": False}
+        httpx.post(f"{PROXY}/v1/chat/completions", json=first, timeout=60)
+        known = wait_until_ready(primary, fallback)
+        assert known[primary]["engine"] == "vllm", known
         # Long, and cut early: vLLM's compiled tiny model writes hundreds of tokens in the
         # time the client reads a few, and an answer all written has nothing to move.
         body = chat_body(QUICK_LONG, model=served)
-        httpx.post(f"{PROXY}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
-        known = wait_until_ready(primary, fallback)
-        assert known[primary]["engine"] == "vllm", known
         (api_server,) = listening_pids(8081)
 
         def kill_vllm() -> None:
             for pid in [api_server, *descendants(api_server)]:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # (one that ended meanwhile)
+                    os.kill(pid, signal.SIGKILL)
 
         stream = read_stream(PROXY, body, on_chunk=lambda n: n == 3 and kill_vllm())
         assert_one_clean_stream(stream)
+        status = httpx.get(f"{PROXY}/spillover/status").json()
+        assert len(stream.notes) == 1, (stream.notes, status)
         (note,) = stream.notes
         assert f"{primary} -> {fallback}" in note
         before, after = stream.segments
