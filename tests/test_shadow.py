@@ -258,6 +258,7 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
             if answer["shadow"]:
                 updates[answer["flow"]] = answer["shadow"]["updates"]
         time.sleep(0.02)
+    before_victims = dict(updates)
     done = threading.Event()
     asking = [threading.Thread(target=victim, args=(i, done)) for i in range(VICTIMS)]
     for thread in asking:
@@ -278,6 +279,9 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
     assert len(answers) >= 2 * VICTIMS, len(answers)  # asked beside the shadows
     for index, answer in answers:
         assert changed(answer, alone[index], VICTIM_TOKENS) is None, index
-    assert sum(updates.values()) >= 40, updates  # many updates landed beside them
+    # Updates landed beside the victims, on every shadowed answer (how many in all
+    # depends on the machine's pace: 39-61 in runs here).
+    beside = {flow: n - before_victims.get(flow, 0) for flow, n in updates.items()}
+    assert len(beside) == 3 and min(beside.values()) >= 2, (before_victims, updates)
     log = fallback.log_path.read_text()
     assert "selected slot by id" not in log  # no request of the addon's named a slot
