@@ -103,6 +103,26 @@ def test_control_routes_answer_clearly() -> None:
     asyncio.run(_control_routes_answer_clearly())
 
 
+def test_health_waits_for_every_mode_of_the_proxy() -> None:
+    """Before mitmproxy's `running` hook some modes may not be up yet (the local capture's
+    redirector starts after the reverse port answers): health says 503 until then."""
+
+    async def run() -> None:
+        addon = Spillover()
+        with taddons.context(addon, Proxyserver()):
+            starting = chat_flow(b"", path="/spillover/health", method="GET")
+            await addon.request(starting)
+            assert starting.response.status_code == 503
+            assert b"starting" in starting.response.content
+            await addon.running()
+            up = chat_flow(b"", path="/spillover/health", method="GET")
+            await addon.request(up)
+            assert up.response.status_code == 200 and json.loads(up.response.content)["ok"]
+            await addon.done()
+
+    asyncio.run(run())
+
+
 def test_handoff_command_moves_a_live_stream() -> None:
     """Drives the real endpoint the way mitmproxy would; fake upstreams stall on demand."""
     primary = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the")), 10)])

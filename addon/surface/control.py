@@ -81,6 +81,9 @@ class Control:
         `drain(server URL, on)` drains a server or lets it take new requests again."""
         self.token = ""
         self.siblings = Siblings()
+        # Until mitmproxy's `running` hook has come, some of its modes may not be up (the
+        # local capture's redirector starts after the reverse port answers): not healthy.
+        self.ready = False
         self._handoff = handoff
         self._status = status
         self._metrics = metrics
@@ -145,8 +148,12 @@ class Control:
             flow.response = self._drain_route(content, route == "drain")
             if fan and flow.response.status_code == 200:
                 await self.siblings.post(route, content)
-        elif route == "health" and method == "GET":
-            flow.response = _json(200, {"ok": True})  # the proxy itself answers: for a guard
+        elif route == "health" and method == "GET":  # the proxy itself answers: for a guard
+            flow.response = (
+                _json(200, {"ok": True})
+                if self.ready
+                else _json(503, {"ok": False, "why": "starting: not every proxy mode is up yet"})
+            )
         elif route == "status" and method == "GET":
             status = self._status()
             if fan:

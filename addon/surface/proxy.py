@@ -182,6 +182,7 @@ class Spillover:
                 "spillover: no fallbacks (spillover_fallbacks): answers are carried, but "
                 "none can move when its server runs short or fails"
             )
+        self.control.ready = True
 
     async def done(self) -> None:
         for watch in (self._pace_watch, self._health_watch):

@@ -141,11 +141,14 @@ class ManagedProcess:
 
 
 @contextlib.contextmanager
-def running(*processes: ManagedProcess) -> Iterator[tuple[ManagedProcess, ...]]:
-    """Start every process, yield them, stop them all whatever happens."""
+def running(
+    *processes: ManagedProcess, timeout: float = 30.0
+) -> Iterator[tuple[ManagedProcess, ...]]:
+    """Start every process (each healthy within `timeout`), yield them, stop them all
+    whatever happens."""
     try:
         for process in processes:
-            process.start()
+            process.start(timeout)
         yield processes
     finally:
         for process in processes:

@@ -156,7 +156,9 @@ def demo(work: Path, delay: float) -> None:
         cards = {primary.url: "drm:card0", fallback.url: "drm:card1"}
         options = [*watch_sysfs(sysfs, cards), f"spillover_dwell_s={DWELL_S}"]
         proxy = Mitmdump(primary.url, [fallback.url], options=options, log_dir=work)
-        with running(proxy):
+        # Generous: on a 2-core machine busy with other work, mitmdump took 7 s to load
+        # the addon and over 20 s more to answer its health.
+        with running(proxy, timeout=120):
             proxy.servers_known()
             print(
                 f"primary {primary.url} on card0, fallback {fallback.url} on card1, "
