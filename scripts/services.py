@@ -258,11 +258,10 @@ def install(args: argparse.Namespace) -> None:
             guard_unit(args.listen, args.proxy_port, args.primary, token, manager)
         )
     print(f"services: wrote {', '.join(str(units / u) for u in written)}")
-    owned = None
     if manager.system and manager.run_as != "root":
         owned = give_to_user(manager.run_as, confdir, create=not args.no_start)
-    if owned is not None:
-        print(f"services: {owned}")
+        if owned is not None:
+            print(f"services: {owned}")
     if not args.no_start:
         why = systemctl(manager, "daemon-reload") or systemctl(manager, "enable", "--now", *written)
         if why is not None:

@@ -360,6 +360,12 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
     def inside(*argv: str) -> str:
         return docker("exec", name, *argv).stdout.strip()
 
+    def proxy_answers() -> bool:
+        return httpx.get(f"{proxy}/spillover/health").status_code == 200
+
+    def proxy_pid() -> str:
+        return inside("systemctl", "show", "-p", "MainPID", "--value", "spillover-proxy")
+
     listen, proxy_port = free_port(), free_port()
     proxy = f"http://127.0.0.1:{proxy_port}"
     try:
@@ -371,25 +377,20 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
             "--proxy-port", str(proxy_port),
         )  # fmt: skip
         assert said.returncode == 0 and "clients use" in said.stdout, said.stdout + said.stderr
-        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        wait_until(proxy_answers)
         body = {**chat_body(8), "stream": False}
         via = httpx.post(f"http://127.0.0.1:{listen}/v1/chat/completions", json=body, timeout=60)
         direct = httpx.post(f"{primary.url}/v1/chat/completions", json=body, timeout=60)
         assert via.json()["choices"] == direct.json()["choices"]
-        pid = inside("systemctl", "show", "-p", "MainPID", "--value", "spillover-proxy")
+        pid = proxy_pid()
         assert inside("stat", "-c", "%U", f"/proc/{pid}") == "nobody"
         assert inside("stat", "-c", "%U", "/srv/spillover/mitmproxy-ca.pem") == "nobody"
         inside("kill", "-9", pid)
-        wait_until(
-            lambda: (
-                inside("systemctl", "show", "-p", "MainPID", "--value", "spillover-proxy")
-                not in ("0", pid)
-            )
-        )
-        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        wait_until(lambda: proxy_pid() not in ("0", pid))
+        wait_until(proxy_answers)
         restarted = docker("restart", "-t", "20", name, timeout=60)
         assert restarted.returncode == 0, restarted.stderr
-        wait_until(lambda: httpx.get(f"{proxy}/spillover/health").status_code == 200)
+        wait_until(proxy_answers)
         booted = inside("systemctl", "is-active", "spillover-proxy", "spillover-guard")
         assert booted.split() == ["active", "active"]
     finally:

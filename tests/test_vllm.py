@@ -43,6 +43,7 @@ from scripts.testbed.vllmserver import (
     VllmUnavailable,
     ensure_usable,
     hf_copy,
+    kill_vllm,
 )
 from scripts.testbed.vllmserver import command as vllm_command
 from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
@@ -64,7 +65,7 @@ from tests.streams import (
 )
 from tests.test_routing import live_on
 from tests.test_splice import held
-from watchers.listeners import descendants, listening_pids
+from watchers.listeners import listening_pids
 
 # vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
 pytestmark = pytest.mark.timeout(420)
@@ -671,13 +672,7 @@ def test_the_vllm_quick_start_runs_as_written_and_a_killed_vllm_is_continued(
         # time the client reads a few, and an answer all written has nothing to move.
         body = chat_body(QUICK_LONG, model=served)
         (api_server,) = listening_pids(8081)
-
-        def kill_vllm() -> None:
-            for pid in [api_server, *descendants(api_server)]:
-                with contextlib.suppress(ProcessLookupError):  # (one that ended meanwhile)
-                    os.kill(pid, signal.SIGKILL)
-
-        stream = read_stream(PROXY, body, on_chunk=lambda n: n == 3 and kill_vllm())
+        stream = read_stream(PROXY, body, on_chunk=lambda n: n == 3 and kill_vllm(api_server))
         assert_one_clean_stream(stream)
         status = httpx.get(f"{PROXY}/spillover/status").json()
         assert len(stream.notes) == 1, (stream.notes, status)

@@ -175,11 +175,8 @@ class VllmServer(ManagedProcess):
         raise ServerFailed(f"vllm not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def kill(self) -> None:
-        """SIGKILL the API server and its engine processes (EngineCore, Worker) with it."""
         if self.process is not None and self.process.poll() is None:
-            for pid in descendants(self.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_vllm(self.pid)
         super().kill()
 
     def environment(self) -> dict[str, str]:
@@ -189,6 +186,13 @@ class VllmServer(ManagedProcess):
             "VLLM_HOST_IP": "127.0.0.1",
             **_OFFLINE,
         }
+
+
+def kill_vllm(api_server: int) -> None:
+    """SIGKILL vLLM's API server and its engine processes (EngineCore, Worker) with it."""
+    for pid in [api_server, *descendants(api_server)]:
+        with contextlib.suppress(ProcessLookupError):  # (one that ended meanwhile)
+            os.kill(pid, signal.SIGKILL)
 
 
 def ensure_usable() -> Path:
