@@ -75,6 +75,43 @@ def held(server: LlamaServer | None) -> Iterator[None]:
             os.kill(server.pid, signal.SIGCONT)
 
 
+class Paced:
+    """`server` let run `run_s` in every `period_s` (SIGCONT, then SIGSTOP), as on a slow
+    card: a tiny model writes 400 tokens in about 0.3 s, and a client on a loaded machine
+    may read its 5th chunk later than that, when the proxy has the whole answer and there
+    is nothing left to hand off. Paced, it writes them in seconds."""
+
+    def __init__(self, server: LlamaServer, run_s: float = 0.002, period_s: float = 0.02):
+        self.pid, self.run_s, self.period_s = server.pid, run_s, period_s
+        self._running = threading.Lock()  # the server runs only while the pacer holds it
+        self._done = threading.Event()
+        self._pacer = threading.Thread(target=self._pace, daemon=True)
+
+    def __enter__(self) -> Paced:
+        os.kill(self.pid, signal.SIGSTOP)
+        self._pacer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._pacer.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Stopped throughout, as `held` holds a server."""
+        with self._running:
+            yield
+
+    def _pace(self) -> None:
+        while not self._done.is_set():
+            with self._running:
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(self.run_s)
+                os.kill(self.pid, signal.SIGSTOP)
+            self._done.wait(self.period_s - self.run_s)
+
+
 def test_other_traffic_passes_through_untouched(proxy: Mitmdump, primary: LlamaServer) -> None:
     for path in ("/v1/models", "/props", "/health"):
         via, direct = httpx.get(proxy.url + path).json(), httpx.get(primary.url + path).json()

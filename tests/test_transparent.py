@@ -31,7 +31,6 @@ from addon.surface.nftables import owner_tables_work
 from scripts.doctor import CGROUP_ROOT, cgroup2_mount, local_capture_why_not
 from scripts.parts.processes import ServerFailed, free_port
 from scripts.testbed import netns
-from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import REPO, SpilloverRun
 from scripts.testbed.netns import SERVER_ADDRESS, SERVER_ADDRESS6, Netns
 from scripts.testbed.prompts import chat_body
@@ -44,10 +43,10 @@ from tests.streams import (
     direct_text,
     record,
 )
-from tests.test_splice import held
+from tests.test_splice import Paced
 
 MAX_TOKENS = 400
-ASK_AT = 5  # early: under load the client reads far behind the proxy, which may have it all
+ASK_AT = 5
 NOBODY = "65534"
 
 
@@ -60,23 +59,29 @@ def _why_skip() -> str | None:
 pytestmark = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "")
 
 
-def asking_handoff(
-    control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, primary: LlamaServer
-):
-    """`on_chunk` for a stream: ask the proxy for a handoff at the `chunks`-th chunk, and
-    check one answer moved. (Not test_splice's `handoff_after`: its client is shared with
-    tests outside the namespaces, and could reuse a connection opened there.)"""
+def asking_handoff(control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, paced: Paced):
+    """`on_chunk` for a stream from the paced primary: ask the proxy for a handoff at the
+    `chunks`-th chunk, with the primary stopped, and check one answer moved. (Not
+    test_splice's `handoff_after`: its client is shared with tests outside the
+    namespaces, and could reuse a connection opened there.)"""
 
     def handoff_at(chunks: int):
         def on_chunk(n: int) -> None:
             if n == chunks:
-                with held(primary):
+                with paced.held():
                     reply = control.post(f"{proxy.url}/spillover/handoff", json={})
-                    assert reply.json()["handed_off"] == 1, reply.text
+                    moved = reply.json()["handed_off"]
+                    assert moved == 1, f"{reply.text}; the proxy's log:\n{proxy_log(proxy)}"
 
         return on_chunk
 
     return handoff_at
+
+
+def proxy_log(proxy: SpilloverRun | SpilloverWorkers) -> str:
+    """The proxy's last lines, without the redirector's verifier dumps."""
+    lines = proxy.log_path.read_text(errors="replace").splitlines()
+    return "\n".join([line for line in lines if "]     " not in line[:20]][-25:])
 
 
 @pytest.fixture
@@ -129,10 +134,10 @@ def test_clients_that_keep_the_servers_url_get_a_handed_off_answer_until_the_pro
         ).start()
         control = httpx.Client()
 
-        handoff_at = asking_handoff(control, proxy, primary)
         assert f"tcp dport {primary.port} redirect to :" in server_side.nft_ruleset()
         for client, url in clients:
-            stream = curl_stream(client, url, handoff_at(ASK_AT))
+            with Paced(primary) as paced:
+                stream = curl_stream(client, url, asking_handoff(control, proxy, paced)(ASK_AT))
             assert_one_clean_stream(stream)
             assert len(stream.segments) == 2, (client, url, stream.notes)
             assert_exact_splice(stream, named, fallback.url, MAX_TOKENS)
@@ -191,8 +196,9 @@ def test_local_capture_takes_a_named_programs_connections_until_the_proxy_goes(
             log_dir=server_logs, options=SHADOW_OFF,
         ).start()  # fmt: skip
         control = httpx.Client()
-        stream = curl_stream([], primary.url, asking_handoff(control, proxy, primary)(ASK_AT),
-                             curl=str(program))  # fmt: skip
+        with Paced(primary) as paced:
+            stream = curl_stream([], primary.url, asking_handoff(control, proxy, paced)(ASK_AT),
+                                 curl=str(program))  # fmt: skip
         assert_one_clean_stream(stream)
         assert len(stream.segments) == 2, stream.notes
         assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
@@ -311,8 +317,9 @@ def test_workers_behind_haproxy_take_the_redirected_clients_too(
         pool = workers()
         control = httpx.Client()
         try:
-            handoff = asking_handoff(control, pool, primary)(ASK_AT)
-            stream = curl_stream(from_container, primary.url, handoff)
+            with Paced(primary) as paced:
+                handoff = asking_handoff(control, pool, paced)(ASK_AT)
+                stream = curl_stream(from_container, primary.url, handoff)
             assert_one_clean_stream(stream)
             assert len(stream.segments) == 2, stream.notes
             assert_exact_splice(stream, primary.url, fallback.url, MAX_TOKENS)
