@@ -26,6 +26,8 @@ from tests.quickstart import (
     your_models,
 )
 from tests.streams import read_stream
+from tests.test_splice import Throttled
+from watchers.listeners import listening_pids
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -86,6 +88,11 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
         assert answer and answer == direct.json()["choices"][0]["message"]["content"]
 
 
+def ask(primary: Throttled) -> None:
+    with primary.held():
+        httpx.post(f"{PROXY}/spillover/handoff")
+
+
 @pytest.mark.parametrize("heading", ["## Two cards: ", "## One card: "])
 def test_the_cards_quick_starts_run_as_written(
     heading: str, models: dict[str, Path], tmp_path: Path
@@ -102,12 +109,10 @@ def test_the_cards_quick_starts_run_as_written(
     commands = {"llama-server": find_binary()}
     with quick_start_ports(), running_as_written(script, tmp_path, commands, output=printed):
         wait_until_ready("http://127.0.0.1:8082")
-        # A long answer, and the handoff asked early: the tiny primary writes fast, and
-        # an answer that has all reached the proxy has nothing left to move.
-        stream = read_stream(
-            PROXY, chat_body(800),
-            on_chunk=lambda n: n == 3 and httpx.post(f"{PROXY}/spillover/handoff"),
-        )  # fmt: skip
+        # The tiny primary throttled, as on a slow card: unthrottled it writes the whole
+        # answer to the proxy before a loaded machine's client reads 3 chunks.
+        with Throttled(*listening_pids(8081)) as primary:
+            stream = read_stream(PROXY, chat_body(800), on_chunk=lambda n: n == 3 and ask(primary))
     assert stream.status == 200 and len(stream.notes) == 1, stream.notes
     assert "http://127.0.0.1:8081 -> http://127.0.0.1:8082" in stream.notes[0]
     if "doctor" in script:  # run once both answered: it names each server's model

@@ -43,7 +43,7 @@ from tests.streams import (
     direct_text,
     record,
 )
-from tests.test_splice import Paced
+from tests.test_splice import Throttled
 
 MAX_TOKENS = 400
 ASK_AT = 5
@@ -59,8 +59,10 @@ def _why_skip() -> str | None:
 pytestmark = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "")
 
 
-def asking_handoff(control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, paced: Paced):
-    """`on_chunk` for a stream from the paced primary: ask the proxy for a handoff at the
+def asking_handoff(
+    control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers, throttled: Throttled
+):
+    """`on_chunk` for a stream from the throttled primary: ask the proxy for a handoff at the
     `chunks`-th chunk, with the primary stopped, and check one answer moved. (Not
     test_splice's `handoff_after`: its client is shared with tests outside the
     namespaces, and could reuse a connection opened there.)"""
@@ -68,7 +70,7 @@ def asking_handoff(control: httpx.Client, proxy: SpilloverRun | SpilloverWorkers
     def handoff_at(chunks: int):
         def on_chunk(n: int) -> None:
             if n == chunks:
-                with paced.held():
+                with throttled.held():
                     reply = control.post(f"{proxy.url}/spillover/handoff", json={})
                     moved = reply.json()["handed_off"]
                     assert moved == 1, f"{reply.text}; the proxy's log:\n{proxy_log(proxy)}"
@@ -136,8 +138,8 @@ def test_clients_that_keep_the_servers_url_get_a_handed_off_answer_until_the_pro
 
         assert f"tcp dport {primary.port} redirect to :" in server_side.nft_ruleset()
         for client, url in clients:
-            with Paced(primary) as paced:
-                stream = curl_stream(client, url, asking_handoff(control, proxy, paced)(ASK_AT))
+            with Throttled(primary.pid) as throttled:
+                stream = curl_stream(client, url, asking_handoff(control, proxy, throttled)(ASK_AT))
             assert_one_clean_stream(stream)
             assert len(stream.segments) == 2, (client, url, stream.notes)
             assert_exact_splice(stream, named, fallback.url, MAX_TOKENS)
@@ -196,8 +198,8 @@ def test_local_capture_takes_a_named_programs_connections_until_the_proxy_goes(
             log_dir=server_logs, options=SHADOW_OFF,
         ).start()  # fmt: skip
         control = httpx.Client()
-        with Paced(primary) as paced:
-            stream = curl_stream([], primary.url, asking_handoff(control, proxy, paced)(ASK_AT),
+        with Throttled(primary.pid) as throttled:
+            stream = curl_stream([], primary.url, asking_handoff(control, proxy, throttled)(ASK_AT),
                                  curl=str(program))  # fmt: skip
         assert_one_clean_stream(stream)
         assert len(stream.segments) == 2, stream.notes
@@ -317,8 +319,8 @@ def test_workers_behind_haproxy_take_the_redirected_clients_too(
         pool = workers()
         control = httpx.Client()
         try:
-            with Paced(primary) as paced:
-                handoff = asking_handoff(control, pool, paced)(ASK_AT)
+            with Throttled(primary.pid) as throttled:
+                handoff = asking_handoff(control, pool, throttled)(ASK_AT)
                 stream = curl_stream(from_container, primary.url, handoff)
             assert_one_clean_stream(stream)
             assert len(stream.segments) == 2, stream.notes

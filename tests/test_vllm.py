@@ -64,8 +64,8 @@ from tests.streams import (
     read_stream,
 )
 from tests.test_routing import live_on
-from tests.test_splice import held
-from watchers.listeners import listening_pids
+from tests.test_splice import Throttled, held
+from watchers.listeners import descendants, listening_pids
 
 # vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
 pytestmark = pytest.mark.timeout(420)
@@ -668,11 +668,13 @@ def test_the_vllm_quick_start_runs_as_written_and_a_killed_vllm_is_continued(
         httpx.post(f"{PROXY}/v1/chat/completions", json=first, timeout=60)
         known = wait_until_ready(primary, fallback)
         assert known[primary]["engine"] == "vllm", known
-        # Long, and cut early: vLLM's compiled tiny model writes hundreds of tokens in the
-        # time the client reads a few, and an answer all written has nothing to move.
+        # Throttled, as on a slow card: vLLM's compiled tiny model writes hundreds of
+        # tokens in the time the client reads a few, and an answer all written has
+        # nothing left to move.
         body = chat_body(QUICK_LONG, model=served)
         (api_server,) = listening_pids(8081)
-        stream = read_stream(PROXY, body, on_chunk=lambda n: n == 3 and kill_vllm(api_server))
+        with Throttled(api_server, *descendants(api_server)):
+            stream = read_stream(PROXY, body, on_chunk=lambda n: n == 3 and kill_vllm(api_server))
         assert_one_clean_stream(stream)
         status = httpx.get(f"{PROXY}/spillover/status").json()
         assert len(stream.notes) == 1, (stream.notes, status)
