@@ -31,7 +31,7 @@ from tests.quickstart import (
     your_models,
 )
 from tests.streams import assert_one_clean_stream, continuation, read_stream
-from tests.test_splice import Throttled
+from tests.throttle import Throttled
 
 CONTAINERS = ("primary", "fallback")  # the names the block gives them
 PRIMARY, FALLBACK = "http://127.0.0.1:8081", "http://127.0.0.1:8082"

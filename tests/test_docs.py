@@ -26,7 +26,7 @@ from tests.quickstart import (
     your_models,
 )
 from tests.streams import read_stream
-from tests.test_splice import Throttled
+from tests.throttle import Throttled
 from watchers.listeners import listening_pids
 
 SVG = "{http://www.w3.org/2000/svg}"

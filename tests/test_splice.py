@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,49 +73,6 @@ def held(server: LlamaServer | None) -> Iterator[None]:
     finally:
         if server is not None:
             os.kill(server.pid, signal.SIGCONT)
-
-
-class Throttled:
-    """Processes (a server, or vLLM's API server and engine) let run `run_s` in every
-    `period_s` (SIGCONT, then SIGSTOP), as on a slow card: a tiny model writes 400 tokens
-    in about 0.3 s, and a client on a loaded machine may read its 5th chunk later than
-    that, when the proxy has the whole answer and there is nothing left to hand off.
-    Throttled, it writes them in seconds."""
-
-    def __init__(self, *pids: int, run_s: float = 0.002, period_s: float = 0.02) -> None:
-        self.pids, self.run_s, self.period_s = pids, run_s, period_s
-        self._running = threading.Lock()  # they run only while the pacer holds it
-        self._done = threading.Event()
-        self._pacer = threading.Thread(target=self._pace, daemon=True)
-
-    def __enter__(self) -> Throttled:
-        self._signal(signal.SIGSTOP)
-        self._pacer.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._pacer.join()
-        self._signal(signal.SIGCONT)
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """Stopped throughout, as `held` holds a server."""
-        with self._running:
-            yield
-
-    def _pace(self) -> None:
-        while not self._done.is_set():
-            with self._running:
-                self._signal(signal.SIGCONT)
-                time.sleep(self.run_s)
-                self._signal(signal.SIGSTOP)
-            self._done.wait(self.period_s - self.run_s)
-
-    def _signal(self, signum: int) -> None:
-        for pid in self.pids:
-            with suppress(ProcessLookupError):  # (one a test killed)
-                os.kill(pid, signum)
 
 
 def test_other_traffic_passes_through_untouched(proxy: Mitmdump, primary: LlamaServer) -> None:

@@ -43,7 +43,7 @@ from tests.streams import (
     direct_text,
     record,
 )
-from tests.test_splice import Throttled
+from tests.throttle import Throttled
 
 MAX_TOKENS = 400
 ASK_AT = 5

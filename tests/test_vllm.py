@@ -64,7 +64,8 @@ from tests.streams import (
     read_stream,
 )
 from tests.test_routing import live_on
-from tests.test_splice import Throttled, held
+from tests.test_splice import held
+from tests.throttle import Throttled
 from watchers.listeners import descendants, listening_pids
 
 # vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
