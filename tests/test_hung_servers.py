@@ -14,6 +14,7 @@ import httpx
 
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from tests.streams import RawStream, assert_one_clean_stream, chat_body, direct_text, read_stream
+from tests.throttle import Throttled
 
 QUICK = ["spillover_stall_s=1", "spillover_first_token_s=2"]
 
@@ -101,26 +102,15 @@ def test_a_slowed_primary_is_left_for_the_fallback(start_server, start_proxy) ->
     tokens = min(15000, int(per_s * fast_s) + 1500)
     options = ["spillover_slow_percent=25", "spillover_slow_window_s=1"]
     proxy = start_proxy(primary.url, [fallback.url], options=options)
-    done = threading.Event()
-
-    def duty_cycle() -> None:
-        """Runs the primary 10 ms in every 200: about 20 times slower."""
-        while not done.is_set():
-            _stop(primary)
-            time.sleep(0.19)
-            _resume(primary)
-            time.sleep(0.01)
-
-    cycler = threading.Timer(fast_s, duty_cycle)
+    slowed = Throttled(primary.pid, run_s=0.01, period_s=0.2)  # about 20 times slower
+    slowing = threading.Timer(fast_s, slowed.start)
     try:
-        cycler.start()
+        slowing.start()
         stream = read_stream(proxy.url, chat_body(tokens), timeout=60)
     finally:
-        done.set()
-        cycler.cancel()
-        if cycler.is_alive():
-            cycler.join()
-        _resume(primary)
+        slowing.cancel()
+        slowing.join()
+        slowed.stop()
     moved = f"{primary.url} -> {fallback.url}"
     assert_left_once(stream, tokens, moved, "events/s over 1 s, down from")
     assert_counted(proxy, "slow")

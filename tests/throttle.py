@@ -58,16 +58,23 @@ class Throttled:
         self.pacer: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> Throttled:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
         self.pacer = subprocess.Popen(
             self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         self._said("ready")
-        return self
 
-    def __exit__(self, *exc) -> None:
-        assert self.pacer is not None and self.pacer.stdin is not None
-        self.pacer.stdin.close()  # the pacer lets them run and ends
-        self.pacer.wait(timeout=10)
+    def stop(self) -> None:
+        """The processes run free again (nothing to do if never started)."""
+        if self.pacer is not None and self.pacer.stdin is not None:
+            self.pacer.stdin.close()  # the pacer lets them run and ends
+            self.pacer.wait(timeout=10)
 
     @contextmanager
     def held(self) -> Iterator[None]:
