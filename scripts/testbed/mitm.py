@@ -58,14 +58,16 @@ class Mitmdump(ManagedProcess):
         self.fallbacks = list(fallbacks)
         self.addon = addon
         self.options = list(options)
-        # With the addon, its control route answers; plain mitmdump proxies /health.
-        self.health_path = "/spillover/status" if addon else "/health"
+        # With the addon, its own health route (503 until every proxy mode is up: the
+        # local capture's redirector starts after the reverse port answers); plain
+        # mitmdump proxies /health.
+        self.health_path = "/spillover/health" if addon else "/health"
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Healthy, and the addon that answers is this process's: another process may
         hold the port this one failed to bind."""
         super().wait_healthy(timeout)
-        if self.health_path != "/spillover/status":
+        if self.health_path != "/spillover/health":
             return  # plain mitmdump, or a proxy whose control routes are closed to tests
         deadline = time.monotonic() + timeout
         while True:
