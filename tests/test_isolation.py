@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.streams import PROMPT, assert_one_clean_stream, chat_body, read_stream
-from tests.test_splice import held
+from tests.throttle import Throttled
 
 CONTROL = httpx.Client()
 ODD = st.one_of(
@@ -162,16 +162,20 @@ def test_no_request_shape_hurts_another_answer(bed, drawn: dict[str, Any]) -> No
     odd: dict[str, Any] = {}
     started = threading.Event()
     reader = threading.Thread(target=read_anything, args=(proxy.url, body, odd, started))
-    reader.start()
-    assert started.wait(30)
     moved: list[int] = []
+    # The primary throttled (tests/throttle.py) from the start, and held while the handoff
+    # is asked, so both answers are still live then.
+    with Throttled(primary.pid) as throttled:
 
-    def on_chunk(n: int) -> None:
-        if n == 10:  # the primary is held while asked, so both answers are still live
-            with held(primary):
-                moved.append(CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"])
+        def on_chunk(n: int) -> None:
+            if n == 10:
+                with throttled.held():
+                    handed_off = CONTROL.post(f"{proxy.url}/spillover/handoff").json()["handed_off"]
+                    moved.append(handed_off)
 
-    normal = read_stream(proxy.url, chat_body(300), on_chunk=on_chunk)
+        reader.start()
+        assert started.wait(30)
+        normal = read_stream(proxy.url, chat_body(300), on_chunk=on_chunk)
     reader.join(60)
     assert not reader.is_alive()
     assert_one_clean_stream(normal)
