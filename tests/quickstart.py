@@ -20,9 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from addon.servers.routing import CALM
+
 REPO = Path(__file__).resolve().parent.parent
 PROXY = "http://127.0.0.1:8090"
-CALM = ("ok", "unknown")  # a server's routing states in which new answers start on it
 QUICK_START_PORTS = (8081, 8082, 8090)
 
 

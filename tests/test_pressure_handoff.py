@@ -176,8 +176,8 @@ def test_never_onto_the_card_that_fired(
     FakeCard(sysfs, "card2", total_mib=8192, used_mib=2000)
     on = {primary.url: "drm:card0", fallback.url: "drm:card0", last.url: "drm:card2"}
     proxy = start_proxy(primary.url, [fallback.url, last.url], options=watch_sysfs(sysfs, on))
-    # Both fallbacks known first: a handoff in the proxy's first moments can find the first
-    # one not yet proven and take the other (seen under load: primary -> last).
+    # Both fallbacks known first, so the first is passed over for its card alone (not for
+    # being unproven yet, as a handoff in the proxy's first moments can find it).
     proxy.servers_known()
     stream = read_stream(
         proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)

@@ -29,12 +29,12 @@ from addon.answer.fleet import Fleet
 from addon.answer.ladder import Ladder
 from addon.formats.wire import ClientStream, Header
 from addon.servers import refusals
+from addon.servers.routing import CALM
 from addon.servers.upstream import Response, Upstream
 
 NOT_SERVED = {404, 405}  # a server that does not speak the client's API: the next is asked
 SHORT_WAIT_S = 5.0  # the longest Retry-After waited out where no other server is left
 RETRIES = 2
-CALM = ("ok", "unknown")  # router states in which a primary's 5xx is asked again
 log = logging.getLogger(__name__)
 Refusal = tuple[int, list[Header], bytes, bytes]  # status, headers, body, reason
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from addon.servers.routing import CALM
 from addon.servers.upstream import Upstream
 
 
@@ -39,7 +40,7 @@ class Ladder:
     def below(self, *states: str) -> list[int]:
         """Where an asked-for handoff may go: down the ladder, past servers that failed,
         to those in `states` (default: ok, then unknown), in that order."""
-        found = {state: [] for state in states or ("ok", "unknown")}
+        found = {state: [] for state in states or CALM}
         for i in range(self.at + 1, len(self.servers)):
             if i not in self.failed and self.admits(self.servers[i]):
                 found.get(self.state(self.servers[i].url), []).append(i)

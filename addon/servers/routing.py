@@ -33,6 +33,9 @@ from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.0
+# A server in these states takes answers as usual (ok preferred): a primary in them keeps
+# new requests, and a 5xx of its is asked again.
+CALM = ("ok", "unknown")
 
 
 @dataclass
