@@ -9,7 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 
+
+# On a quiet machine, as a person runs it: the card fills at the client's 300th token of
+# 600, and under the parallel part's load the whole answer was once written before the
+# proxy saw the card (`-> no handoff`): a race of the load, not of the demo.
+@pytest.mark.alone
 def test_the_demo_shows_a_pressure_and_a_failure_handoff_and_cleans_up() -> None:
     before = set(Path(tempfile.gettempdir()).glob("spillover-demo-*"))
     run = subprocess.run(
