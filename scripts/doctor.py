@@ -176,23 +176,15 @@ def migration_lines(servers: list[str], slot_dir: Path) -> list[str]:
 
 
 def describe_card(reading: Reading, lines: Lines) -> str:
-    """Use, and the lines in force on this card; a warning when it is over them at rest."""
+    """Use, and the lines in force on this card, taking what it has free now as its rest
+    (as the proxy does at start)."""
     if reading.total_mib is None:
         return f"{reading.card}: {reading.used_mib:,.0f} MiB used (total unknown: steps only)"
-    floor = lines.floor(reading.total_mib)
     free = reading.total_mib - reading.used_mib
-    step_leaves = lines.step_leaves(lines.step_mib, reading.total_mib)
-    said = (
+    return (
         f"{reading.card}: {reading.used_mib:,.0f} of {reading.total_mib:,.0f} MiB used, "
-        f"{free:,.0f} free; hands off at <= {floor:,.0f} MiB free or on a step of "
-        f"+{lines.step_mib:,.0f} MiB leaving <= {step_leaves:,.0f}"
+        f"{free:,.0f} free; hands off on {lines.acts_on(reading.total_mib, free)}"
     )
-    if free <= floor + lines.rearm_mib:
-        said += (
-            f"\n        WARNING: only {free:,.0f} MiB free at rest: it is (or stays) under "
-            f"pressure and gets no new requests; lower spillover_free_floor_mib"
-        )
-    return said
 
 
 # Whether clients can be taken without changing them. `--transparent`: nftables rules in

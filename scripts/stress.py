@@ -1,11 +1,12 @@
 """Make real memory pressure on this machine, so a person can watch a handoff happen.
 
     .venv/bin/python -m scripts.stress ram --step-mib 512 --steps 4 --hold-s 30
-    .venv/bin/python -m scripts.stress gpu --card 0 --step-mib 4096 --steps 2 --hold-s 30
+    .venv/bin/python -m scripts.stress gpu --card nvml:0 --step-mib 4096 --steps 2 --hold-s 30
 
 `ram` takes anonymous memory in steps (every page written, so it is really taken) and
 says how much the kernel reports available after each; `gpu` takes device memory on an
-NVIDIA card through the CUDA driver (libcuda, through ctypes: no torch or cupy needed).
+NVIDIA card through the CUDA driver (libcuda, through ctypes: no torch or cupy needed),
+named as `spillover_cards` names it (`nvml:N`) or by CUDA's number (`cuda:N`).
 Each step waits `--every-s`; the memory is held for `--hold-s`, then given back (also on
 Ctrl-C), and the command says what it did and what is free again.
 """
@@ -19,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from scripts.parts.cardorder import cuda_index
 from watchers.meminfo import MeminfoSource
 from watchers.reading import Reading
 
@@ -148,7 +150,10 @@ def main() -> None:
         "where", choices=("ram", "gpu"),
         help="ram: this machine's memory; gpu: an NVIDIA card's, through the CUDA driver",
     )  # fmt: skip
-    parser.add_argument("--card", type=int, default=0, help="gpu: the CUDA device index")
+    parser.add_argument(
+        "--card", default="nvml:0",
+        help="gpu: the card, as spillover_cards names it (nvml:N) or by CUDA's number (cuda:N)",
+    )  # fmt: skip
     parser.add_argument("--step-mib", type=int, default=1024, help="MiB taken per step")
     parser.add_argument("--steps", type=int, default=1, help="how many steps")
     parser.add_argument("--every-s", type=float, default=0.5, help="seconds between steps")
@@ -157,8 +162,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        hog: RamHog | CudaHog = RamHog() if args.where == "ram" else CudaHog(args.card)
-    except RuntimeError as exc:
+        hog: RamHog | CudaHog = RamHog() if args.where == "ram" else CudaHog(gpu(args.card))
+    except (RuntimeError, ValueError) as exc:
         print(f"stress: {exc}", file=sys.stderr)
         sys.exit(2)
     try:
@@ -173,6 +178,13 @@ def main() -> None:
     finally:
         if isinstance(hog, CudaHog):
             hog.close()
+
+
+def gpu(card: str) -> int:
+    """The CUDA index of the card named, saying which card that is."""
+    index, said = cuda_index(card)
+    print(f"card: {said}", flush=True)
+    return index
 
 
 if __name__ == "__main__":

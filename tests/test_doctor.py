@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path: Path) -> None:
     sysfs, proc = tmp_path / "sys", tmp_path / "proc"
     FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
-    FakeCard(sysfs, "card1", total_mib=8192, used_mib=7000)  # full at rest: warned
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=7864)  # full at rest: half of it taken
     write_meminfo(proc / "meminfo", total_mib=24000, available_mib=20000)
     out = subprocess.run(
         [
@@ -32,11 +32,15 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
     ).stdout  # fmt: skip
     assert "ok  sysfs: 2 card(s)" in out
     assert (
-        "drm:card0: 10,000 of 16,384 MiB used, 6,384 free; hands off at <= 512 MiB free or "
-        "on a step of +1,024 MiB leaving <= 2,560"
+        "drm:card0: 10,000 of 16,384 MiB used, 6,384 free; hands off on free <= 512 MiB or "
+        "a step of +1,024 MiB leaving <= 2,560"
     ) in out
-    assert "WARNING: only 1,192 MiB free at rest" in out and out.count("WARNING") == 1
-    assert "ram: 4,000 of 24,000 MiB used, 20,000 free; hands off at <= 720 MiB free" in out
+    assert (
+        "drm:card1: 7,864 of 8,192 MiB used, 328 free; hands off on free <= 164 MiB or a step "
+        "of +1,024 MiB leaving <= 2,212 (full at rest: 328 MiB free, under twice its 512 MiB "
+        "floor, so half of that taken)"
+    ) in out
+    assert "ram: 4,000 of 24,000 MiB used, 20,000 free; hands off on free <= 720 MiB" in out
     assert "\nhotplug\n" in out and "no display-class PCI device here" in out
     assert "--  nvml: NVML unavailable" in out or "ok  nvml" in out
     assert (

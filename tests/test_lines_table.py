@@ -37,23 +37,27 @@ def mib(cell: str) -> float | None:
     return float(re.match(r"([\d,]+) MiB", cell).group(1).replace(",", ""))
 
 
-def fires(total: float, used: list[float]) -> bool:
+def fires(total: float, used: list[float], rest_used: float | None = None) -> bool:
+    """Whether these readings fire a card that was at rest with `rest_used` (half of it,
+    unless said) a second before them (so only they can make a step)."""
     state = CardState("c")
-    return any(
-        state.observe(Reading("c", u, total, i * STEP), LINES) is not None
-        for i, u in enumerate(used)
-    )
+    rest = [total / 2 if rest_used is None else rest_used] * 3
+    readings = [(i * STEP, u) for i, u in enumerate(rest)]
+    readings += [(1 + i * STEP, u) for i, u in enumerate(used)]
+    return any(state.observe(Reading("c", u, total, t), LINES) is not None for t, u in readings)
 
 
 def step_fires(total: float, rise: float, leaves: float) -> bool:
     before = total - leaves - rise
-    return fires(total, [before] * 3 + [before + rise] * 2)
+    return fires(total, [before] * 3 + [before + rise] * 2, rest_used=before)
 
 
-def rearms_at(total: float, free: float) -> bool:
+def rearms_at(total: float, free: float, rest_free: float | None = None) -> bool:
     state = CardState("c")
-    floor = LINES.floor(total)
-    for i, used in enumerate([total - floor] * 2 + [total - free] * 20):  # fire, then settle
+    rest = total / 2 if rest_free is None else rest_free
+    floor = LINES.acts_at(total, rest)
+    readings = [total - rest] * 3 + [total - floor] * 2 + [total - free] * 20  # fire, settle
+    for i, used in enumerate(readings):
         state.observe(Reading("c", used, total, i * STEP), LINES)
     return state.fired == 1 and state.armed
 
@@ -95,3 +99,24 @@ def test_each_cell_is_what_the_watcher_does(row: list[str], tmp_path: Path) -> N
     else:
         assert fast_at(tmp_path, int(total), int(fast))
         assert not fast_at(tmp_path, int(total), int(fast) + 1)
+
+
+def full_table() -> list[list[str]]:
+    text = MANUAL.read_text()
+    start = text.index("| card | free at rest | hands off at free <=")
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text[start:].splitlines()[2:]
+        if line.startswith("|")
+    ][:3]
+
+
+@pytest.mark.parametrize("row", full_table(), ids=lambda row: f"{row[0]} at {row[1]}")
+def test_a_card_full_at_rest_acts_as_the_manual_says(row: list[str]) -> None:
+    total = float(row[0].split()[0].replace(",", "")) * (1024 if "GiB" in row[0] else 1)
+    rest, floor, clear = (mib(cell) for cell in row[1:4])
+    assert rest is not None and floor is not None and clear is not None
+    assert not fires(total, [total - rest] * 50, rest_used=total - rest)  # dead flat: never
+    assert fires(total, [total - floor] * 2, rest_used=total - rest)
+    assert not fires(total, [total - floor - 1] * 2, rest_used=total - rest)
+    assert rearms_at(total, clear, rest) and not rearms_at(total, clear - 1, rest)

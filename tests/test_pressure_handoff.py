@@ -10,10 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.parts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, mem_available_mib, write_meminfo
-from scripts.testbed.mitm import watch_sysfs
+from scripts.testbed.mitm import ram_and_elsewhere, watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
+from tests.test_routing import wait_for
 from tests.test_splice import held
 
 LONG = 800
@@ -69,13 +71,15 @@ def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(watched) -> 
 
 
 @pytest.mark.alone
-def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> None:
+def test_real_ram_pressure_hands_off_a_cpu_server(
+    start_server, start_proxy, tmp_path: Path
+) -> None:
     """The primary runs on the CPU, so its card is found to be system RAM; the test takes
     1,000 MiB of real memory with the free-memory line 400 MiB below what was free. The
     answer is long (larger slots) so the primary is still writing when the line is crossed
-    (filling 1,000 MiB takes a while). The fallback stands for a server elsewhere (its card
-    is named, by a name no memory source uses, so even a machine with eight NVIDIA cards
-    reads nothing for it): one in the same RAM would be passed over,
+    (filling 1,000 MiB takes a while). The fallback stands for a server elsewhere (named on a
+    card of a sysfs tree, so even a machine with eight NVIDIA cards reads nothing of its
+    own for it): one in the same RAM would be passed over,
     as a handoff never goes onto the memory under pressure."""
     primary = start_server("primary", ctx_size=8192, slots=2)
     fallback = start_server("fallback", ctx_size=8192, slots=2)
@@ -84,9 +88,8 @@ def test_real_ram_pressure_hands_off_a_cpu_server(start_server, start_proxy) -> 
         primary.url,
         [fallback.url],
         options=[
-            "spillover_sources=meminfo",
+            *ram_and_elsewhere(fallback.url, tmp_path / "sys"),
             f"spillover_free_floor_mib={floor}",
-            f"spillover_cards={fallback.url}=elsewhere:0",
         ],
     )
     status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
@@ -191,3 +194,61 @@ def test_never_onto_the_card_that_fired(
     assert_one_clean_stream(new)
     why = "drm:card0: step +5,041 MiB, 1,343 MiB left"
     assert new.notes == [f": spillover: started on {last.url}: {primary.url} is pressured ({why})"]
+
+
+def test_a_card_full_at_rest_keeps_its_answers_until_memory_is_taken(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    """The primary's model fills its card: 2 % free (328 of 16,384 MiB), under the 512 MiB
+    floor, dead flat. New answers start on the primary; another process taking 200 MiB
+    from it mid-answer (more than half of what was free) hands that answer off."""
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=16056)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0", fallback.url: "drm:card1"}
+    proxy = start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on))
+    proxy.servers_known()
+    card = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["drm:card0"]
+    assert card["armed"] and card["rest_free_mib"] == 328 and card["floor_mib"] == 164
+    assert "full at rest: 328 MiB free" in card["acts_on"]
+    for _ in range(2):  # new answers stay on the primary, whole
+        calm = read_stream(proxy.url, chat_body(40))
+        assert_one_clean_stream(calm)
+        assert calm.notes == [] and calm.text == read_stream(primary.url, chat_body(40)).text
+    states = httpx.get(proxy.url + "/spillover/status").json()["routing"]["states"]
+    assert states[primary.url]["state"] == "ok"
+    stream = read_stream(
+        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(16256)
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert "memory pressure on drm:card0: 128 MiB free (floor 164)" in note
+    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+
+
+def test_a_card_its_own_server_fills_while_loading_is_not_pressure(
+    start_server, start_proxy, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    """The proxy starts before its primary: while the primary is down (loading), its card
+    goes from empty to full. Once the primary answers /health the card's rest is what its
+    model left free, and new answers start there."""
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=16384, used_mib=600)
+    FakeCard(sysfs, "card1", total_mib=8192, used_mib=2000)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    on = {url: "drm:card0", fallback.url: "drm:card1"}
+    proxy = start_proxy(url, [fallback.url], options=watch_sysfs(sysfs, on))
+    wait_for(proxy, url, "down")
+    for used in (6000, 12000, 16056):  # the model loading
+        card0.set_used(used)
+        time.sleep(0.3)
+    card = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["drm:card0"]
+    assert not card["armed"] and card["fired"] == 1  # pressure while it loaded...
+    primary = start_server("primary", port=port)
+    wait_for(proxy, url, "ok", timeout=60)  # ... its own, once it is up
+    card = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["drm:card0"]
+    assert card["armed"] and card["rest_free_mib"] == 328
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    assert stream.notes == [] and stream.text == read_stream(primary.url, chat_body(40)).text

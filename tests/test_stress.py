@@ -5,12 +5,13 @@ from __future__ import annotations
 import ctypes.util
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from scripts.testbed.memfiles import mem_available_mib
-from scripts.testbed.mitm import REPO
+from scripts.testbed.mitm import REPO, ram_and_elsewhere
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 
 
@@ -23,7 +24,7 @@ def stress(*args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.alone
 def test_taking_ram_in_steps_hands_off_an_answer_and_gives_it_back(
-    start_server, start_proxy
+    start_server, start_proxy, tmp_path: Path
 ) -> None:
     """As a person would use it: the proxy watches system RAM with its line 400 MiB below
     what is free, and `stress ram` takes 2 x 500 MiB while an answer streams."""
@@ -31,9 +32,8 @@ def test_taking_ram_in_steps_hands_off_an_answer_and_gives_it_back(
     fallback = start_server("fallback", ctx_size=8192, slots=2)
     floor = int(mem_available_mib() - 400)
     options = [
-        "spillover_sources=meminfo",
+        *ram_and_elsewhere(fallback.url, tmp_path / "sys"),
         f"spillover_free_floor_mib={floor}",
-        f"spillover_cards={fallback.url}=elsewhere:0",
     ]
     proxy = start_proxy(primary.url, [fallback.url], options=options)
     assert httpx.get(f"{proxy.url}/spillover/status").json()["memory"]["servers"][primary.url][
@@ -61,7 +61,19 @@ def test_taking_ram_in_steps_hands_off_an_answer_and_gives_it_back(
     ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is here: it would allocate"
 )
 def test_without_a_cuda_driver_the_gpu_mode_says_so() -> None:
-    hog = stress("gpu", "--card", "0", "--hold-s", "0")
+    for card in ("cuda:0", "nvml:0"):
+        hog = stress("gpu", "--card", card, "--hold-s", "0")
+        out, err = hog.communicate(timeout=30)
+        assert hog.returncode == 2 and out == ""
+        assert err.startswith("stress: no CUDA driver here (libcuda.so.1:")
+
+
+def test_the_gpu_mode_takes_cards_as_spillover_cards_names_them() -> None:
+    """A bare number is CUDA's on one tool and NVML's on another: it is refused."""
+    hog = stress("gpu", "--card", "1", "--hold-s", "0")
     out, err = hog.communicate(timeout=30)
     assert hog.returncode == 2 and out == ""
-    assert err.startswith("stress: no CUDA driver here (libcuda.so.1:")
+    assert err == (
+        "stress: '1': name an NVIDIA card as spillover_cards does (nvml:N; `spillover doctor` "
+        "lists them) or by CUDA's number (cuda:N)\n"
+    )

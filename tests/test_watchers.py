@@ -147,15 +147,43 @@ def test_a_step_with_plenty_left_is_not_pressure() -> None:
     assert feed(CardState("c"), [1000, 1000, 3000, 3000, 3000]) == [None] * 5
 
 
-def test_full_card_fires_and_rearms_only_when_clearly_below() -> None:
+def test_a_card_filling_up_fires_and_rearms_only_when_clearly_below() -> None:
     state = CardState("c")
-    assert feed(state, [15900, 15900])[1] == "484 MiB free (floor 512)"
+    assert feed(state, [10000, 15900, 15900])[2] == "484 MiB free (floor 512)"
     assert state.observe(reading(14900, 1.0), LINES) is None and not state.armed  # 1,484 free
     state.observe(reading(14800, 1.1), LINES)  # 1,584 free: over floor + 1,024
     assert state.armed and state.clear_since == 1.1
     assert state.observe(reading(15900, 1.2), LINES) is None
     crossing = state.observe(reading(15900, 1.22), LINES)
     assert crossing == Crossing("c", "484 MiB free (floor 512)", 1.2, 1.22, 1.1)
+
+
+def test_a_card_full_at_rest_is_not_pressure_but_memory_taken_from_it_is() -> None:
+    """A model sized to fill its card: 328 MiB free at rest, under the 512 MiB floor. It
+    stays armed, dead flat; another process taking half of that fires it, and it is clear
+    again once three quarters of what was taken is back."""
+    state = CardState("c")
+    assert feed(state, [16056] * 20) == [None] * 20 and state.armed and state.rest_free == 328
+    assert LINES.acts_at(16384, state.rest_free) == 164
+    assert state.observe(reading(16100, 1.0), LINES) is None  # 284 free: 44 taken
+    assert state.observe(reading(16230, 1.1), LINES) is None  # 154 free: awaiting confirmation
+    crossing = state.observe(reading(16230, 1.12), LINES)
+    assert crossing is not None and crossing.line == "154 MiB free (floor 164)"
+    state.observe(reading(16100, 1.2), LINES)  # 284 free: only a quarter back
+    assert not state.armed
+    state.observe(reading(16060, 1.3), LINES)  # 324 free: back
+    assert state.armed
+
+
+def test_a_card_filled_while_its_server_loads_is_clear_once_it_is_up() -> None:
+    """The proxy started before its primary: the model loading filled the card (fired,
+    with no answer on it to move); the server coming up settles the card at its new rest."""
+    state = CardState("c")
+    fired = feed(state, [800] * 3 + [8000, 12000, 16000, 16056, 16056])
+    assert any(fired) and not state.armed
+    assert state.settle() and state.armed and state.rest_free == 328
+    assert state.pressed(now=100.0, dwell_s=30) is None  # no dwell: it is its own model
+    assert state.observe(reading(16060, 1.0), LINES) is None and state.armed
 
 
 def test_a_failed_reading_breaks_a_confirmation() -> None:

@@ -30,7 +30,13 @@ def parse_card_map(text: str) -> dict[str, set[str]]:
     for entry in filter(None, (part.strip() for part in text.split(","))):
         url, sep, cards = entry.rpartition("=")
         if not sep or not url or not cards:
-            raise ValueError(f"spillover_cards entry {entry!r} is not URL=card[+card...]")
+            raise ValueError(
+                f"spillover_cards entry {entry!r} is not URL=card[+card...] (e.g. "
+                "http://127.0.0.1:8081=nvml:0+nvml:1,http://127.0.0.1:8082=ram; "
+                "`spillover doctor` lists the cards here)"
+            )
+        if "://" not in url:
+            raise ValueError(f"spillover_cards entry {entry!r}: {url!r} is no server URL")
         mapping[url.rstrip("/")] = {c.strip() for c in cards.split("+") if c.strip()}
     return mapping
 

@@ -97,6 +97,7 @@ class MemoryMonitor:
                 for result in results:
                     self.reported.add(result.card)
                     state = self.cards.setdefault(result.card, CardState(result.card))
+                    first = state.last is None
                     if isinstance(result, CardFailure):
                         state.fail(result.error)
                     elif state.last is not None and result.time == state.last.time:
@@ -107,6 +108,8 @@ class MemoryMonitor:
                             state.error = None
                     elif (crossing := state.observe(result, self.lines)) is not None:
                         fired.append(crossing)
+                    if first and state.last is not None:
+                        log.info("%s", self.at_rest(state))
             now = time.monotonic()
             for state in self.cards.values():
                 if state.last is None:
@@ -143,6 +146,25 @@ class MemoryMonitor:
             if not self.source_errors:
                 for card in set(self.cards) - self.reported:
                     del self.cards[card]
+
+    def settle(self, cards: set[str]) -> None:
+        """A server on these cards came up: what they hold now is their rest (its model
+        filling a card is not pressure), and any that fired while it loaded is clear."""
+        with self._lock:
+            for card in sorted(cards):
+                if (state := self.cards.get(card)) is not None and state.settle():
+                    log.info("%s", self.at_rest(state))
+
+    def at_rest(self, state: CardState) -> str:
+        """What a card has at rest and what it will act on, in words."""
+        last = state.last
+        assert last is not None
+        if last.free_mib is None:
+            use = f"{last.used_mib:,.0f} MiB used"
+        else:
+            use = f"{state.rest_free:,.0f} MiB free of {last.total_mib:,.0f} at rest"
+        acts_on = self.lines.acts_on(last.total_mib, state.rest_free)
+        return f"{state.card}: {use}; hands off on {acts_on}"
 
     def seen(self) -> set[str]:
         """Every card some source has reported."""
@@ -190,7 +212,11 @@ class MemoryMonitor:
                         "total_mib": None if s.last is None else s.last.total_mib,
                         "floor_mib": None
                         if s.last is None
-                        else round(self.lines.floor(s.last.total_mib), 1),
+                        else round(self.lines.acts_at(s.last.total_mib, s.rest_free), 1),
+                        "rest_free_mib": None if s.rest_free is None else round(s.rest_free, 1),
+                        "acts_on": None
+                        if s.last is None
+                        else self.lines.acts_on(s.last.total_mib, s.rest_free),
                         "armed": s.armed,
                         "fired": s.fired,
                         "error": s.error,

@@ -1,17 +1,23 @@
 """When a card is under pressure: the lines, and per-card state with hysteresis.
 
-Pressure arrives as a step (another process loads and takes gigabytes at once), not as
-a creep: llama-server preallocates its KV cache. The lines are in MiB of free memory, not
-percentages (5 % of an 8 GiB card is 410 MiB; of a 141 GiB card, 7 GiB):
+Pressure is memory taken from a card's servers, not a level. People size a model to fill
+its card (a few hundred MiB free at rest is normal), and what kills an answer is another
+process loading onto it: a step (the report this project started from: +5,041 MiB at
+once, the card otherwise dead flat). So each card keeps its free memory at rest (the
+most it had free since it was first read, or since a server on it came up), and the
+lines are in MiB of free memory, measured against that:
 
-- the floor: free memory at or below `floor(total)`: 3 % of the card, at least 512 MiB,
-  at most 2 GiB (or `free_floor_mib` on every card);
+- the floor: free memory at or below 3 % of the card, at least 512 MiB, at most 2 GiB;
+  a card that had less than twice that free at rest acts once half of what it had free
+  is gone instead (`free_floor_mib` sets one floor for every card, kept as it is for a
+  card that had more than it free at rest);
 - a step: use rose by at least `step_mib` within `window_s` and what is left is at most
   the floor plus twice the rise: two more steps like it would reach the floor.
 
 A line must hold on two readings in a row (the monitor takes the second a few ms after
 the first), so one noisy reading never fires; a card that fired re-arms once it has
-`rearm_mib` more than its floor free and no step is under way.
+`rearm_mib` more than its floor free, or has three quarters of what was taken back
+(whichever comes first), and no step is under way.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from watchers.reading import Reading
 FLOOR_SHARE = 0.03
 FLOOR_MIN_MIB = 512.0
 FLOOR_MAX_MIB = 2048.0
+REST_SHARE = 0.5  # a card full at rest acts when this share of its free memory is taken
+BACK_SHARE = 0.75  # ... and is clear again once this share of what was taken is back
 
 
 @dataclass(frozen=True)
@@ -34,23 +42,57 @@ class Lines:
     window_s: float = 0.25
 
     def floor(self, total_mib: float | None) -> float:
+        """The floor for a card of this size, as configured."""
         if self.free_floor_mib > 0:
             return self.free_floor_mib
         if total_mib is None:
             return FLOOR_MIN_MIB
         return min(max(total_mib * FLOOR_SHARE, FLOOR_MIN_MIB), FLOOR_MAX_MIB)
 
-    def step_leaves(self, rise_mib: float, total_mib: float | None) -> float:
-        """A step of `rise_mib` fires when it leaves at most this much free."""
-        return self.floor(total_mib) + 2 * rise_mib
+    def acts_at(self, total_mib: float | None, rest_free_mib: float | None) -> float:
+        """The free memory this card hands off at: its floor, or, for a card that had
+        less than twice that free at rest, half of what it had. A floor set by hand is
+        kept for any card that had more than it free at rest."""
+        floor = self.floor(total_mib)
+        if rest_free_mib is None or (self.free_floor_mib > 0 and rest_free_mib > floor):
+            return floor
+        return min(floor, max(rest_free_mib, 0.0) * REST_SHARE)
 
-    def margin(self, reading: Reading) -> float | None:
+    def clear_at(self, total_mib: float | None, rest_free_mib: float | None) -> float:
+        """The free memory at which a card that fired is clear again."""
+        acts = self.acts_at(total_mib, rest_free_mib)
+        if rest_free_mib is None or rest_free_mib <= acts:
+            return acts + self.rearm_mib
+        return min(acts + self.rearm_mib, acts + BACK_SHARE * (rest_free_mib - acts))
+
+    def step_leaves(
+        self, rise_mib: float, total_mib: float | None, rest_free_mib: float | None = None
+    ) -> float:
+        """A step of `rise_mib` fires when it leaves at most this much free."""
+        return self.acts_at(total_mib, rest_free_mib) + 2 * rise_mib
+
+    def margin(self, reading: Reading, rest_free_mib: float | None = None) -> float | None:
         """The smallest sudden allocation that would fire on this card now (None: any
         step, as the card's total is unknown). The monitor samples faster when it is small."""
         if reading.free_mib is None:
             return None
-        room = max(reading.free_mib - self.floor(reading.total_mib), 0.0)
+        room = max(reading.free_mib - self.acts_at(reading.total_mib, rest_free_mib), 0.0)
         return min(room, max(self.step_mib, room / 3))
+
+    def acts_on(self, total_mib: float | None, rest_free_mib: float | None) -> str:
+        """What this card hands off on, in words (the start-up log, status, the doctor)."""
+        step = f"a step of +{self.step_mib:,.0f} MiB"
+        if total_mib is None:
+            return f"{step} (total unknown: steps only)"
+        acts = self.acts_at(total_mib, rest_free_mib)
+        said = f"free <= {acts:,.0f} MiB or {step} leaving <= {acts + 2 * self.step_mib:,.0f}"
+        if acts < self.floor(total_mib):
+            under = "under its" if self.free_floor_mib > 0 else "under twice its"
+            said += (
+                f" (full at rest: {rest_free_mib:,.0f} MiB free, {under} "
+                f"{self.floor(total_mib):,.0f} MiB floor, so half of that taken)"
+            )
+        return said
 
 
 @dataclass(frozen=True)
@@ -76,11 +118,12 @@ class CardState:
     clear_since: float | None = None  # when it was last re-armed (reading time)
     suspect: Reading | None = None  # a reading over a line, awaiting confirmation
     below: float | None = None  # the time of the last reading under every line
+    rest_free: float | None = None  # the most it had free since first read or settled
     history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     def crossed(self, reading: Reading, lines: Lines) -> str | None:
         """Which line the reading crosses, if any."""
-        free, floor = reading.free_mib, lines.floor(reading.total_mib)
+        free, floor = reading.free_mib, lines.acts_at(reading.total_mib, self.rest_free)
         if free is not None and free <= floor:
             return f"{free:,.0f} MiB free (floor {floor:,.0f})"
         # Readings far apart (a remote card's scrapes): the rise between the last ones.
@@ -89,7 +132,7 @@ class CardState:
         if recent:
             rise = reading.used_mib - min(recent)
             if rise >= lines.step_mib and (
-                free is None or free <= lines.step_leaves(rise, reading.total_mib)
+                free is None or free <= lines.step_leaves(rise, reading.total_mib, self.rest_free)
             ):
                 left = "" if free is None else f", {free:,.0f} MiB left"
                 return f"step +{rise:,.0f} MiB{left}"
@@ -97,12 +140,14 @@ class CardState:
 
     def clear(self, reading: Reading, lines: Lines) -> bool:
         free = reading.free_mib
-        room = free is None or free >= lines.floor(reading.total_mib) + lines.rearm_mib
+        room = free is None or free >= lines.clear_at(reading.total_mib, self.rest_free)
         return room and self.crossed(reading, lines) is None
 
     def observe(self, reading: Reading, lines: Lines) -> Crossing | None:
         """Take a reading; the crossing when this card must hand off now, else None."""
         self.error = None
+        if reading.free_mib is not None:
+            self.rest_free = max(self.rest_free or 0.0, reading.free_mib)
         line = self.crossed(reading, lines)
         self.last = reading
         if line is None:
@@ -132,8 +177,21 @@ class CardState:
         """Whether a sudden allocation of at most `margin_mib` would cross a line (or the
         card's total is unknown, so any step could); needs a reading."""
         assert self.last is not None
-        margin = lines.margin(self.last)
+        margin = lines.margin(self.last, self.rest_free)
         return margin is None or margin <= margin_mib
+
+    def settle(self) -> bool:
+        """The card as it is now is its rest (a server on it came up: whatever it took
+        while loading is its own): what it has free now is the base, and a card that
+        fired for it is clear at once. Whether anything changed."""
+        if self.last is None or self.last.free_mib is None:
+            return False
+        changed = not self.armed or self.rest_free != self.last.free_mib
+        self.rest_free = self.last.free_mib
+        self.armed, self.suspect, self.clear_since = True, None, None
+        self.history.clear()
+        self.history.append((self.last.time, self.last.used_mib))
+        return changed
 
     def pressed(self, now: float, dwell_s: float) -> str | None:
         """Why the card is not yet fit for new work: over a line (fired, not re-armed),

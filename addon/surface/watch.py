@@ -15,6 +15,7 @@ from mitmproxy import ctx, exceptions
 from addon.handoff.record import Sensed
 from addon.servers.credentials import read_secret
 from addon.surface.proxy import Spillover
+from watchers.cardids import unknown_cards
 from watchers.gates import PROMETHEUS, CardMap, Mapping, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver
 from watchers.monitor import MemoryMonitor
@@ -111,7 +112,10 @@ class MemoryWatch:
             if "spillover_remote_cards" in updated:
                 parse_selectors(ctx.options.spillover_remote_cards)
         except ValueError as exc:
-            raise exceptions.OptionsError(str(exc)) from None
+            if self._running:  # a change made in mitmweb's or the console's options
+                raise exceptions.OptionsError(str(exc)) from None
+            log.error("spillover: %s", exc)  # at start: one line, and mitmproxy exits 1
+            return
         if "spillover_prometheus_token" in updated:
             read_secret(ctx.options.spillover_prometheus_token)  # an unreadable file: now
         if self._running and updated & WATCH_OPTIONS:
@@ -121,6 +125,20 @@ class MemoryWatch:
     def running(self) -> None:
         self._running = True
         self._start()
+        if self.monitor is not None and (wrong := self._unknown_cards()):
+            for line in wrong:
+                log.error("spillover: %s", line)  # mitmproxy exits 1 on an error at start
+            ctx.master.shutdown()
+
+    def _unknown_cards(self) -> list[str]:
+        """The cards spillover_cards names that no source reports here (read once now)."""
+        assert self.monitor is not None
+        try:
+            named = parse_card_map(ctx.options.spillover_cards)
+        except ValueError:
+            return []  # said in configure
+        self.monitor.sample()
+        return unknown_cards(named, self.monitor.seen())
 
     def done(self) -> None:
         self._running = False
@@ -168,6 +186,7 @@ class MemoryWatch:
         self.monitor.start()
         self.spillover.status_parts["memory"] = self.status
         self.spillover.fleet.router.memory = self.memory_of
+        self.spillover.fleet.router.came_up = self.came_up
         self.spillover.fleet.shadows.near = self.near_of
 
     def _stop(self) -> None:
@@ -198,6 +217,13 @@ class MemoryWatch:
         if judged is None and mapping.how == PROMETHEUS and (unread := cards - monitor.seen()):
             return "unknown", f"{min(unread)}: unknown (no reading yet)"
         return judged
+
+    def came_up(self, server: str) -> None:
+        """A server came up: the cards it is on hold their rest now (its model filling
+        one is not pressure; memory taken after this is)."""
+        if (watched := self._watched(server)) is not None:
+            monitor, mapping = watched
+            monitor.settle(set(mapping.cards))
 
     def near_of(self, server: str) -> bool:
         """Whether a server's cards are near their lines (shadow prefill starts)."""

@@ -80,3 +80,37 @@ def lines(handles: Sequence[Any]) -> list[str]:
         else:
             said.append(f"nvml:{index} (PCI {bus}) is CUDA {index} here too")
     return said
+
+
+def cuda_index(card: str) -> tuple[int, str]:
+    """The CUDA index of a card named as `spillover_cards` names it (`nvml:N`) or by
+    CUDA's own number (`cuda:N`), and what to say of the translation; ValueError says
+    why it cannot be found."""
+    kind, _, number = card.partition(":")
+    if kind not in ("nvml", "cuda") or not number.isdigit():
+        raise ValueError(
+            f"{card!r}: name an NVIDIA card as spillover_cards does (nvml:N; "
+            "`spillover doctor` lists them) or by CUDA's number (cuda:N)"
+        )
+    index = int(number)
+    cuda = cuda_bus_ids()
+    if isinstance(cuda, str):
+        raise ValueError(cuda)
+    if kind == "cuda":
+        if index >= len(cuda):
+            raise ValueError(f"{card}: CUDA sees {len(cuda)} card(s) here")
+        return index, f"{card} (PCI {cuda[index]})"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        nvml = nvml_bus_ids(handles)
+    except Exception as exc:  # no NVML, or a driver that will not answer
+        raise ValueError(f"{card}: NVML cannot number the cards here ({exc})") from None
+    if index >= len(nvml):
+        raise ValueError(f"{card}: NVML sees {len(nvml)} card(s) here")
+    found = cuda_indexes(nvml, cuda)
+    if index not in found:
+        raise ValueError(f"{card} (PCI {nvml[index]}) is not visible to CUDA here")
+    return found[index], f"{card} (PCI {nvml[index]}), CUDA {found[index]} here"

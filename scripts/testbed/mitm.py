@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from scripts.parts.processes import ManagedProcess, ServerFailed
+from scripts.testbed.memfiles import FakeCard
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "addon" / "spillover.py"
@@ -25,6 +26,17 @@ def watch_sysfs(sysfs: Path, cards: dict[str, str]) -> list[str]:
         f"spillover_sysfs_root={sysfs}",
         "spillover_sources=sysfs",
         f"spillover_cards={mapping}",
+    ]
+
+
+def ram_and_elsewhere(server: str, sysfs: Path) -> list[str]:
+    """Options that watch this machine's RAM and put `server` on a card of its own in a
+    sysfs tree (standing for a server elsewhere: it is never under this RAM's pressure)."""
+    FakeCard(sysfs, "card9", total_mib=16384, used_mib=1000)
+    return [
+        f"spillover_sysfs_root={sysfs}",
+        "spillover_sources=meminfo,sysfs",
+        f"spillover_cards={server}=drm:card9",
     ]
 
 
