@@ -1,30 +1,41 @@
 """The `spillover` command: the proxy and its tools under one name.
 
     spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
+    spillover run --config spillover.yaml           (the same, and any option, in a file)
     spillover run --confdir ~/.config/spillover     (options in its config.yaml)
     spillover run --primary URL --workers 4         (4 proxies behind HAProxy)
     spillover run --primary URL --transparent       (clients keep the primary's URL)
     spillover run --primary URL --transparent --workers 4
-    spillover status [--proxy URL]
+    spillover status [--proxy URL] [--json]
+    spillover options                               (the addon's spillover_* options)
     mitmweb -s "$(spillover addon-path)" --mode reverse:URL@8090   (the addon, by hand)
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
 `run` starts mitmdump with the addon in front of the primary, so a person need not know
 where the addon's file is; what follows `--` goes to mitmdump as it is (`--set
-spillover_cards=...`, `-w flows.mitm`).
+spillover_cards=...`, `-w flows.mitm`). `run --config FILE.yaml` reads its settings and the
+addon's options from one file (scripts/config.py); `spillover options` lists those.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import os
 import shutil
 import sys
+import tomllib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
+
+from scripts.config import DEFAULTS, ConfigError, settle
+from scripts.config import mistakes as run_mistakes
+from scripts.summary import summary
 
 ADDON = Path(__file__).resolve().parent.parent / "addon" / "spillover.py"
 TOOLS = {
@@ -56,10 +67,10 @@ def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
         if args.transparent or args.capture:
             argv += ["--set", f"spillover_primary={primary}"]
         argv += ["--set", f"spillover_fallbacks={args.fallbacks}"]
-    return argv + [arg for arg in extra if arg != "--"]
+    return argv + extra
 
 
-def status(proxy: str, token: str | None) -> int:
+def status(proxy: str, token: str | None, raw: bool) -> int:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         reply = httpx.get(f"{proxy.rstrip('/')}/spillover/status", headers=headers, timeout=5)
@@ -69,21 +80,54 @@ def status(proxy: str, token: str | None) -> int:
     if reply.status_code != 200 or "servers" not in reply.text:
         print(f"spillover status: {proxy} is not a spillover proxy (or wants the control token)")
         return 1
-    print(json.dumps(reply.json(), indent=2))
+    print(json.dumps(reply.json(), indent=2) if raw else "\n".join(summary(reply.json())))
     return 0
+
+
+def version() -> str:
+    """The installed distribution's version; from a checkout that is not installed, the
+    one its pyproject.toml gives."""
+    try:
+        return importlib.metadata.version("spillover")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+def refuse(mistakes: Sequence[str]) -> NoReturn:
+    """Say each mistake in one line, and start nothing."""
+    for mistake in mistakes:
+        print(f"spillover run: {mistake}", file=sys.stderr)
+    sys.exit(2)
+
+
+RUN_EPILOG = """\
+What follows `--` goes to mitmdump as it is: mitmproxy's options and the addon's
+(`-- --set spillover_free_floor_mib=256 -w flows.mitm`); `spillover options` lists the
+addon's. A --config file holds the flags' settings (primary, fallbacks: a list, port,
+listen_host, workers) and any spillover_* option by its name, with or without the
+prefix; the flags given win over it.
+"""
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="spillover", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"spillover {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
-        "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False
+        "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False,
+        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    run.add_argument("--config", type=Path, metavar="FILE.yaml", help="settings and options")
+    run.add_argument("--primary", help="the primary server's URL (http://HOST:PORT)")
+    run.add_argument("--fallbacks", help="comma-separated fallback URLs, in order (default: none)")
+    run.add_argument(
+        "--listen-host", help=f"where clients connect (default: {DEFAULTS['listen_host']})"
     )
-    run.add_argument("--primary", help="the primary server's URL")
-    run.add_argument("--fallbacks", default="", help="comma-separated fallback URLs, in order")
-    run.add_argument("--listen-host", default="127.0.0.1", help="where clients connect")
-    run.add_argument("--port", type=int, default=8090, help="the port clients connect to")
+    run.add_argument(
+        "--port", type=int, help=f"the port clients connect to (default: {DEFAULTS['port']})"
+    )
     taken = run.add_mutually_exclusive_group()
     taken.add_argument(
         "--transparent", action="store_true",
@@ -96,18 +140,20 @@ def main(argv: list[str] | None = None) -> None:
         "connections of these programs (comma-separated names or pids)",
     )  # fmt: skip
     run.add_argument(
-        "--workers", type=int, nargs="?", default=0, const=os.cpu_count() or 1, metavar="N",
-        help="run N proxies behind HAProxy (N left out: one per core); without it, one "
-        "proxy and no HAProxy",
+        "--workers", type=int, nargs="?", const=os.cpu_count() or 1, metavar="N",
+        help="run N proxies behind HAProxy (N left out: one per core); default: one proxy "
+        "and no HAProxy",
     )  # fmt: skip
     run.add_argument(
         "--confdir", type=Path,
         help="a mitmproxy confdir whose config.yaml holds the options (the services' way; "
-        "then --primary is not needed)",
+        "then --primary is not needed where it names the primary)",
     )  # fmt: skip
     state = commands.add_parser("status", help="what the proxy knows now (GET /spillover/status)")
     state.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
     state.add_argument("--token", help="the control token, for a proxy on another machine")
+    state.add_argument("--json", action="store_true", help="the proxy's whole answer, as JSON")
+    commands.add_parser("options", help="the addon's spillover_* options: type, default, meaning")
     commands.add_parser("addon-path", help="print the addon's file, for mitmdump -s or mitmweb -s")
     for name, (_, said) in TOOLS.items():
         commands.add_parser(name, help=said, add_help=False)
@@ -118,18 +164,28 @@ def main(argv: list[str] | None = None) -> None:
         return
     args, extra = parser.parse_known_args(argv)
     if args.command == "status":
-        sys.exit(status(args.proxy, args.token))
+        sys.exit(status(args.proxy, args.token, args.json))
+    if args.command == "options":
+        from scripts.options import main as options
+
+        options()
+        return
     if args.command == "addon-path":
         print(ADDON)
         return
     if extra and extra[0] != "--":
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
-    if args.primary is None and args.confdir is None:
-        parser.error("run needs --primary (or --confdir with a config.yaml that names it)")
+    extra = [arg for arg in extra if arg != "--"]
+    try:
+        extra = settle(args, extra) + extra
+    except ConfigError as exc:
+        refuse([str(exc)])
+    if mistakes := run_mistakes(args):
+        refuse(mistakes)
     if (args.transparent or args.capture) and args.primary is None:
-        parser.error("--transparent and --capture need --primary")
+        refuse(["--transparent and --capture need --primary"])
     if args.capture and args.workers:
-        parser.error("--capture runs one proxy (not --workers)")
+        refuse(["--capture runs one proxy (not --workers)"])
     if args.workers:
         sys.exit(run_workers(args, extra))
     command = mitmdump_argv(args, extra)
@@ -148,7 +204,7 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
         command += ["--set", f"confdir={args.confdir}"]
     pool = Workers(
         args.primary, args.fallbacks, args.workers, (args.listen_host, args.port),
-        command, [arg for arg in extra if arg != "--"], transparent=args.transparent,
+        command, extra, transparent=args.transparent,
     )  # fmt: skip
     try:
         pool.start()

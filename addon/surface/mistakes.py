@@ -16,15 +16,22 @@ from typing import Any
 PREFIX = "spillover_"
 
 
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known name that `name` is likeliest a typo of, if any is close (compared
+    without the prefix, which would make every `spillover_*` name close)."""
+    tails = {option.removeprefix(PREFIX): option for option in known}
+    close = difflib.get_close_matches(name.removeprefix(PREFIX), list(tails), n=1, cutoff=0.6)
+    return tails[close[0]] if close else None
+
+
 def unknown_options(given: Iterable[str], known: Iterable[str]) -> list[str]:
     """What to say of each `spillover_*` option given that no addon declared, with the
     declared name it is closest to."""
     ours = sorted(name for name in known if name.startswith(PREFIX))
-    tails = [name.removeprefix(PREFIX) for name in ours]  # the shared prefix matches all
     said = []
     for name in sorted(n for n in given if n.startswith(PREFIX)):
-        close = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
-        hint = f"; did you mean {PREFIX}{close[0]}?" if close else f"; ours: {', '.join(ours)}"
+        close = closest(name, ours)
+        hint = f"; did you mean {close}?" if close else f"; ours: {', '.join(ours)}"
         said.append(f"unknown option {name}{hint}")
     return said
 

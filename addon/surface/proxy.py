@@ -25,6 +25,7 @@ from addon.servers.credentials import Credentials, parse_keys, url_pairs
 from addon.servers.declared import parse_ways
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
+from addon.servers.urlchecks import option_mistakes
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_leg
 from addon.surface.live import LiveAnswers
@@ -35,15 +36,18 @@ from addon.surface.status import assemble_status
 
 log = logging.getLogger(__name__)
 PACE_TICK_S = 0.25  # how often live legs are checked for stalls and slowdowns
+# The options that name the servers, and where the proxy itself listens.
+SERVER_OPTIONS = {"spillover_primary", "spillover_fallbacks", "mode", "listen_host", "listen_port"}
 
 
 def _refuse_to_start(mistakes: list[str]) -> bool:
-    """Say each mistake in how the proxy was started and stop it; False when there is none."""
+    """Say each mistake in how the proxy was started; False when there is none. Errors
+    logged while it starts end mitmproxy with status 1 (its errorcheck addon); shut down
+    from here instead, it ended with 0, or crashed, before its listeners were up."""
     for mistake in mistakes:
         log.error("spillover: %s", mistake)
     if mistakes:
         log.error("spillover: not started; fix the options above")
-        ctx.master.shutdown()
     return bool(mistakes)
 
 
@@ -129,6 +133,11 @@ class Spillover:
 
     def configure(self, updated: set[str]) -> None:
         fleet, options, running = self.fleet, ctx.options, self._loop is not None
+        if updated & SERVER_OPTIONS and (mistakes := option_mistakes(options)):
+            if running:  # a change (mitmweb's options, `set`): mitmproxy keeps the old value
+                raise exceptions.OptionsError("; ".join(mistakes))
+            _refuse_to_start(mistakes)  # one line each: a raise here shows a traceback
+            return
         fleet.exact, fleet.pace = options.spillover_exact_replay, limits_from(options)
         fleet.retry_server_errors = options.spillover_retry_5xx
         fleet.busy_wait_s = max(0, options.spillover_busy_wait_s)

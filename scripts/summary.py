@@ -1,0 +1,80 @@
+"""`spillover status` as a person reads it: the cards watched, the servers and their
+states, the answers being carried and the last handoffs, from `GET /spillover/status`
+(whose whole answer `spillover status --json` prints)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+LAST_HANDOFFS = 5
+
+
+def summary(status: dict[str, Any]) -> list[str]:
+    return [
+        *card_lines(status.get("memory") or {}),
+        *server_lines(status),
+        *answer_lines(status.get("live") or []),
+        *handoff_lines(status.get("recent_handoffs") or []),
+    ]
+
+
+def card_lines(memory: dict[str, Any]) -> list[str]:
+    cards = memory.get("cards") or {}
+    if not cards:
+        said = "none" if memory.get("alive") else "none: the memory watcher is not running"
+        return [f"cards: {said}"]
+    lines = ["cards:"]
+    for card, state in sorted(cards.items()):
+        used, total = state.get("used_mib"), state.get("total_mib")
+        if used is None:
+            size = f"not read yet ({state['error']})" if state.get("error") else "not read yet"
+        elif total:
+            size = f"{used:,.0f} of {total:,.0f} MiB used, {total - used:,.0f} free"
+        else:
+            size = f"{used:,.0f} MiB used (total unknown)"
+        fired = f"fired {state.get('fired') or 0} times"
+        armed = f"armed ({fired})" if state.get("armed") else f"{fired}, not re-armed yet"
+        lines.append(f"  {card}: {size}; {armed}")
+    return lines
+
+
+def server_lines(status: dict[str, Any]) -> list[str]:
+    routing = status.get("routing") or {}
+    live = routing.get("live_per_server") or {}
+    fallbacks, infos = status.get("fallbacks") or [], status.get("servers") or {}
+    lines = ["servers:"]
+    for url, state in (routing.get("states") or {}).items():
+        role = "fallback" if url in fallbacks else "primary"
+        why = f" ({state['why']})" if state.get("why") else ""
+        engine = (infos.get(url) or {}).get("engine") or "engine not known yet"
+        lines.append(
+            f"  {url} ({role}, {engine}): {state.get('state', '?')}{why}; "
+            f"{live.get(url, 0)} answers live"
+        )
+    return lines if len(lines) > 1 else ["servers: none known"]
+
+
+def answer_lines(live: list[dict[str, Any]]) -> list[str]:
+    lines = [f"answers live: {len(live)}"]
+    for answer in live:
+        lines.append(
+            f"  {answer['flow'][:8]} {answer['api']} on {answer['server']}: "
+            f"{answer['tokens']} tokens, {answer['handoffs']} handoffs"
+        )
+    return lines
+
+
+def handoff_lines(recent: list[dict[str, Any]]) -> list[str]:
+    if not recent:
+        return ["last handoffs: none yet"]
+    lines = ["last handoffs:"]
+    for handoff in reversed(recent[-LAST_HANDOFFS:]):
+        at = time.strftime("%H:%M:%S", time.localtime(handoff["at"]))
+        paused = handoff.get("pause_ms")
+        pause = f"first byte after {paused:.1f} ms" if paused is not None else "no byte yet"
+        lines.append(
+            f"  {at} {handoff['kind']} {handoff['source']} -> {handoff['target']} "
+            f"after {handoff['at_token']} tokens, {pause}"
+        )
+    return lines
