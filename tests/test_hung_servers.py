@@ -178,3 +178,72 @@ def test_a_long_prompt_is_given_the_time_its_reading_takes(start_server, start_p
     assert_one_clean_stream(stream)
     assert stream.notes == []
     assert stream.text == direct["choices"][0]["message"]["content"]
+
+
+def test_a_server_never_measured_that_never_answers_is_left_on_time(start_proxy, fallback) -> None:
+    """Stand-in primary (no real server accepts and then sends nothing, not even headers,
+    on demand): it was never measured, so the wait is spillover_first_token_unmeasured_s
+    (3 s here; 60 by default), not the 300 s ceiling. It does not list its slots, so it
+    is not reading a prompt: left for the fallback."""
+    silent = FakeUpstream([(b"", 120)])
+    proxy = start_proxy(
+        silent.url, [fallback.url], options=["spillover_first_token_unmeasured_s=3"]
+    )
+    started = time.monotonic()
+    stream = read_stream(proxy.url, chat_body(40))
+    waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    assert stream.text == direct_text(fallback.url, 40)
+    assert 3 <= waited < 30, waited
+    assert any("no answer after 3." in note and "(waited 3 s)" in note for note in stream.notes)
+    silent.close()
+
+
+def test_any_engines_first_events_teach_its_wait(start_proxy, fallback) -> None:
+    """Stand-in primary (a server that answers once, then goes silent, on demand), which
+    gives no timings of its own (as vLLM or a hosted API): how long its first answer took
+    to its first event sets the wait, the floor (2 s here) rather than the 60 s a server
+    never measured would get."""
+    answer = STREAM_HEAD + chunked(
+        sse_chunk(role=True), sse_chunk(" the"), sse_chunk(finish="stop"), b"data: [DONE]\n\n"
+    ) + b"0\r\n\r\n"  # fmt: skip
+    silent = FakeUpstream([(answer, 0)], later=[(b"", 120)])
+    proxy = start_proxy(silent.url, [fallback.url], options=["spillover_first_token_floor_s=2"])
+    assert read_stream(proxy.url, chat_body(5)).text == " the"
+    learnt = httpx.get(f"{proxy.url}/spillover/status").json()["routing"]
+    assert set(learnt["first_event_ms_per_byte"]) == {silent.url}
+    started = time.monotonic()
+    stream = read_stream(proxy.url, chat_body(40))
+    waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    assert stream.text == direct_text(fallback.url, 40)
+    assert 2 <= waited < 30, waited
+    assert any("(waited 2 s)" in note for note in stream.notes)
+    silent.close()
+
+
+def test_a_llama_server_still_reading_a_long_prompt_is_never_cut(
+    start_server, start_proxy, fallback
+) -> None:
+    """Real llama-server, never measured, slowed about ten times (a big model's prompt on
+    a slow card), with a 1 s wait for a server never measured: reading the prompt takes
+    longer than that, and each time the wait runs out its /slots says it is still reading,
+    so the answer is its own, whole."""
+    primary = start_server("primary", ctx_size=16384, slots=1)
+    proxy = start_proxy(
+        primary.url, [fallback.url], options=["spillover_first_token_unmeasured_s=1"]
+    )
+    long = [{"role": "user", "content": " ".join(["the river and the bridge"] * 600)}]
+    body = {**chat_body(20), "messages": long, "cache_prompt": False}  # read whole each time
+    direct = httpx.post(
+        f"{primary.url}/v1/chat/completions", json={**body, "stream": False}, timeout=120
+    ).json()
+    with Throttled(primary.pid, run_s=0.002, period_s=0.02):
+        started = time.monotonic()
+        stream = read_stream(proxy.url, body, timeout=300)
+        waited = time.monotonic() - started
+    assert_one_clean_stream(stream)
+    assert stream.notes == [], stream.notes
+    assert stream.text == direct["choices"][0]["message"]["content"]
+    assert waited > 1, waited  # it did wait past the unmeasured bound
+    assert "is still reading a prompt (slot 0: " in proxy.log_path.read_text()

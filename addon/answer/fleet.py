@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from addon.answer.pace import PaceLimits
+from addon.answer.pace import FirstEvents, PaceLimits
 from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
 from addon.handoff.migration import Migrator
 from addon.handoff.shadow import Shadows
@@ -42,6 +42,7 @@ class Fleet:
         self.migrator = Migrator(None, headers=self.question_headers)
         self.exact = True  # token-exact replay where the servers share a tokenizer
         self.pace = PaceLimits()
+        self.first_events = FirstEvents()  # how long each server takes to its first event
         self.retry_server_errors = True  # a primary's 5xx is asked once more (answer/early.py)
         self.busy_wait_s = 3.0  # a busy primary's Retry-After waited out up to this
 

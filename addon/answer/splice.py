@@ -22,6 +22,7 @@ from addon.answer.notes import Notes
 from addon.answer.pace import Pace
 from addon.answer.pump import Pump
 from addon.answer.resume import Resume
+from addon.answer.stillreading import still_reading
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
@@ -204,16 +205,37 @@ class Splice:
         """Leave a leg that stalled (like a failed one) or slowed far below its own pace
         (like an asked-for handoff: it stays if no other server has room)."""
         pace = self._pace
-        if pace is None or not self.can_cut or (verdict := pace.verdict(now)) is None:
+        if pace is None or pace.asking is not None or not self.can_cut:
+            return
+        if (verdict := pace.verdict(now)) is None:
             return
         kind, why = verdict
-        reason = f"{self.current.url}: {why}"
         if kind == "slow":
-            self.handoff(reason, kind)
+            self.handoff(f"{self.current.url}: {why}", kind)
+        elif kind == "silent":  # unless it is still reading the prompt
+            pace.asking = asyncio.ensure_future(self._unless_reading(pace, why))
+        else:
+            self._leave_stalled(why, now)
+
+    async def _unless_reading(self, pace: Pace, why: str) -> None:
+        """Leave a server silent past its wait, unless it says it is reading a prompt."""
+        upstream = self.current
+        reading = await still_reading(upstream.url, self._fleet.question_headers(upstream.url))
+        pace.asking = None
+        if pace is not self._pace or pace.first is not None or not self.can_cut:
             return
+        if reading is not None:
+            log.info(
+                "%s is still reading a prompt (%s): waiting as long again", upstream.url, reading
+            )
+            pace.stretch(time.monotonic())
+        else:
+            self._leave_stalled(why, time.monotonic())
+
+    def _leave_stalled(self, why: str, now: float) -> None:
         self._pace = None
         self._fleet.mark_down(self.current, why)
-        self._cut(reason, kind, now, None)
+        self._cut(f"{self.current.url}: {why}", "stalled", now, None)
 
     def cancel(self) -> None:
         """The client went away: drop every leg."""
@@ -356,7 +378,11 @@ class Splice:
     ) -> str | None:  # fmt: skip
         if self._pace is not None:
             read_ms = self._fleet.migrator.rates.read_ms.get(upstream.url)
-            self._pace.first_token_s = self._limits.first_token_deadline(len(body), read_ms)
+            firsts = self._fleet.first_events
+            self._pace.first_token_s = self._limits.first_token_deadline(
+                len(body), read_ms, firsts.of(upstream.url)
+            )
+            self._pace.on_first = lambda seconds: firsts.saw(upstream.url, len(body), seconds)
         try:
             response = await post(upstream, path, body, headers)
         except UpstreamError as exc:

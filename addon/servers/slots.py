@@ -20,3 +20,18 @@ def idle_slots(slots: Any, taken: Collection[int] = ()) -> list[dict[str, Any]]:
 def unused_first(slots: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Slots that never ran a task (nothing of another client's in them) before the rest."""
     return sorted(slots, key=lambda s: "id_task" in s)
+
+
+def reading_prompt(slots: Any) -> str | None:
+    """A slot that is reading a prompt (processing, nothing decoded yet), in words; None
+    when none is."""
+    if not isinstance(slots, list):
+        return None
+    for slot in slots:
+        if not isinstance(slot, dict) or slot.get("is_processing") is not True:
+            continue
+        progress = slot.get("next_token")
+        decoded = progress[0].get("n_decoded") if isinstance(progress, list) and progress else None
+        if decoded == 0:
+            return f"slot {slot.get('id')}: {slot.get('n_prompt_tokens', '?')} prompt tokens"
+    return None

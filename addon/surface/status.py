@@ -34,6 +34,7 @@ def assemble_status(
                 {"server": url, "state": state, "seconds": round(seconds, 1)}
                 for (url, state), seconds in router.seconds_in.items()
             ],
+            "first_event_ms_per_byte": fleet.first_events.status(),
             "live_per_server": {
                 url: sum(splice.current.url == url for splice in live.values()) for url in urls
             },
