@@ -244,7 +244,7 @@ def test_a_card_its_own_server_fills_while_loading_is_not_pressure(
         card0.set_used(used)
         time.sleep(0.3)
     card = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["drm:card0"]
-    assert not card["armed"] and card["fired"] == 1  # pressure while it loaded...
+    assert not card["armed"] and card["fired"] >= 1  # pressure while it loaded...
     primary = start_server("primary", port=port)
     wait_for(proxy, url, "ok", timeout=60)  # ... its own, once it is up
     card = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["drm:card0"]
