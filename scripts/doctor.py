@@ -9,6 +9,8 @@ hotplug events this machine will signal, which card each server sits on, with
 KV state and why not, with `--prometheus` the cards of other hosts and whether their
 readings are fresh, whether clients can be taken without changing them (`spillover run
 --transparent`, `--capture`) and why not, and the llama-server the test bed would use.
+
+It exits with 1 when what it found stops the protection (EXIT_RULE), else with 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib.util
 import itertools
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,12 @@ from watchers.reading import CardFailure, NotApplicable, Reading
 from watchers.sources import ALL, card_map, open_sources
 
 OK, MISSING = "ok  ", "--  "
+EXIT_RULE = (
+    "exits with 1 when something it found stops the protection: no memory source can be "
+    "read (no pressure handoff), or a server given does not answer as a server (not "
+    "running, still loading, a proxy); else with 0, warnings and the optional parts "
+    "(--transparent, --capture, KV migration, llama-server) aside"
+)
 CAP_NET_ADMIN = 12
 CGROUP_ROOT = "/sys/fs/cgroup"
 GRANT_PERFMON = (
@@ -230,7 +239,7 @@ def _has_capability(bit: int) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"It {EXIT_RULE}.")
     parser.add_argument("--servers", default="", help="comma-separated server URLs")
     parser.add_argument("--cards", default="", help="explicit mapping, as spillover_cards")
     parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
@@ -259,6 +268,7 @@ def main() -> None:
                         print(f"          {GRANT_PERFMON}")
     for name, why in missing.items():
         print(f"  {MISSING}{name}: {why}")
+    stops = [] if sources else ["no memory source can be read"]
     if nvml := next((source for source in sources if isinstance(source, NvmlSource)), None):
         print("\nNVIDIA card ids (spillover_cards takes nvml:N; CUDA's own numbers may differ)")
         for line in cardorder.lines(nvml.handles):
@@ -290,7 +300,9 @@ def main() -> None:
         )  # fmt: skip
         infos = asyncio.run(ask_servers(servers))
         for url in servers:
-            print("  " + describe_server(url, infos[url], cards))
+            said = describe_server(url, infos[url], cards)
+            print(f"  {said}")
+            stops += [f"{url} (see servers)"] if said.startswith(MISSING) else []
         for warning in slot_warnings(infos):
             print(f"  {warning}")
         print("\nwhich servers may continue an answer, and how (see docs/engines.md)")
@@ -318,6 +330,9 @@ def main() -> None:
             f"  {MISSING}none on PATH (nor LLAMA_SERVER): run your servers as you do; a "
             "checkout's scripts/setup.sh builds one for the demo and the tests"
         )
+    if stops:
+        print(f"\nwhat stops the protection: {'; '.join(stops)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

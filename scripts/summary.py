@@ -43,16 +43,26 @@ def server_lines(status: dict[str, Any]) -> list[str]:
     routing = status.get("routing") or {}
     live = routing.get("live_per_server") or {}
     fallbacks, infos = status.get("fallbacks") or [], status.get("servers") or {}
+    mapping = (status.get("memory") or {}).get("servers") or {}
     lines = ["servers:"]
     for url, state in (routing.get("states") or {}).items():
         role = "fallback" if url in fallbacks else "primary"
         why = f" ({state['why']})" if state.get("why") else ""
-        engine = (infos.get(url) or {}).get("engine") or "engine not known yet"
+        cards = ", ".join((mapping.get(url) or {}).get("cards") or []) or "none known"
         lines.append(
-            f"  {url} ({role}, {engine}): {state.get('state', '?')}{why}; "
-            f"{live.get(url, 0)} answers live"
+            f"  {url} ({role}): {state.get('state', '?')}{why}; {engine(infos.get(url) or {})}; "
+            f"cards: {cards}; {live.get(url, 0)} answers live"
         )
     return lines if len(lines) > 1 else ["servers: none known"]
+
+
+def engine(info: dict[str, Any]) -> str:
+    """Which engine a server is, and whether (and how) it continues an answer."""
+    if not info.get("asked"):
+        return "not asked yet"
+    if info.get("continues"):
+        return f"{info.get('engine')}, continues by {info.get('continues_by')}"
+    return f"{info.get('engine')}, continues no answer that sent text"
 
 
 def answer_lines(live: list[dict[str, Any]]) -> list[str]:

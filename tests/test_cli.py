@@ -16,6 +16,7 @@ import sys
 import tarfile
 import termios
 import time
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_run_starts_the_proxy_in_front_of_the_primary(
         )
         assert_one_clean_stream(stream)
         assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
-        said = spillover("status", "--proxy", proxy.url)
+        said = spillover("status", "--proxy", proxy.url, "--json")
         assert said.returncode == 0 and json.loads(said.stdout)["fallbacks"] == [fallback.url]
     finally:
         proxy.stop()
@@ -70,6 +71,31 @@ def test_every_command_has_help_and_a_mistake_is_named() -> None:
         assert wrong.returncode == 2 and said in wrong.stderr, wrong.stderr
     nobody = spillover("status", "--proxy", "http://127.0.0.1:9")
     assert nobody.returncode == 1 and "no proxy at http://127.0.0.1:9" in nobody.stderr
+
+
+def test_run_help_shows_its_defaults_and_where_the_rest_is_told() -> None:
+    said = spillover("run", "--help").stdout
+    assert "(default: 8090)" in said and "(default: 127.0.0.1)" in said
+    assert "What follows `--` goes to mitmdump" in said and "`spillover options` lists" in said
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert spillover("--version").stdout == f"spillover {version}\n"
+
+
+def test_options_lists_every_option_the_addon_declares() -> None:
+    """Each `spillover_*` option in the addon's source, with its type, default and help."""
+    declared = set(re.findall(r'"(spillover_[a-z0-9_]+)", (?:bool|int|str)\b', addon_source()))
+    said = spillover("options")
+    assert said.returncode == 0, said.stderr
+    listed = dict(re.findall(r"^(spillover_\w+)  \((\w+), default ", said.stdout, re.MULTILINE))
+    assert len(declared) > 30 and declared <= set(listed), declared - set(listed)
+    assert listed["spillover_free_floor_mib"] == "int" and listed["spillover_hand_back"] == "bool"
+    assert "spillover_fallbacks  (str, default '')\n    Comma-separated fallback servers" in (
+        said.stdout
+    )
+
+
+def addon_source() -> str:
+    return "\n".join(path.read_text() for path in (REPO / "addon").rglob("*.py"))
 
 
 def clone_files() -> list[str]:
@@ -259,7 +285,7 @@ def test_a_fresh_venv_from_the_wheel_runs_every_command(
         stream = read_stream(proxy, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill())
         assert_one_clean_stream(stream)
         assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
-        status = spillover("status", "--proxy", proxy)
+        status = spillover("status", "--proxy", proxy, "--json")
         assert status.returncode == 0 and json.loads(status.stdout)["fallbacks"] == [fallback.url]
         shown = on_a_terminal([str(bin_dir / "spillover"), "watch", "--proxy", proxy])
         assert fallback.url in shown, shown

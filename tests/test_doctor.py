@@ -22,14 +22,18 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
     FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
     FakeCard(sysfs, "card1", total_mib=8192, used_mib=7864)  # full at rest: half of it taken
     write_meminfo(proc / "meminfo", total_mib=24000, available_mib=20000)
-    out = subprocess.run(
+    done = subprocess.run(
         [
             sys.executable, "-m", "scripts.doctor", "--sysfs-root", str(sysfs),
             "--proc-root", str(proc), "--servers", f"{primary.url},http://127.0.0.1:9",
             "--cards", f"{primary.url}=drm:card0",
         ],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    out = done.stdout
+    # A server that does not answer stops the protection: said last, and the status is 1.
+    assert done.returncode == 1, done.stderr
+    assert out.endswith("\nwhat stops the protection: http://127.0.0.1:9 (see servers)\n")
     assert "ok  sysfs: 2 card(s)" in out
     assert (
         "drm:card0: 10,000 of 16,384 MiB used, 6,384 free; hands off on free <= 512 MiB or "
@@ -55,9 +59,12 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
     assert "--  http://127.0.0.1:9: openai-compatible; continues no answer that sent text" in out
 
 
-def doctor(*args: str) -> str:
+def doctor(*args: str, status: int = 0) -> str:
+    """What the doctor says, where it exits with `status` (1: the protection stops)."""
     run = [sys.executable, "-m", "scripts.doctor", *args]
-    return subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(run, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == status, done.stdout + done.stderr
+    return done.stdout
 
 
 def test_doctor_warns_of_small_fallback_slots_and_names_a_proxy(
@@ -65,7 +72,7 @@ def test_doctor_warns_of_small_fallback_slots_and_names_a_proxy(
 ) -> None:
     small = start_server("fallback", ctx_size=1024, slots=4)  # 256 tokens per slot
     proxy = start_proxy(primary.url, [small.url])
-    out = doctor("--servers", f"{primary.url},{small.url},{proxy.url}")
+    out = doctor("--servers", f"{primary.url},{small.url},{proxy.url}", status=1)
     assert (
         f"WARNING: {small.url} has 256 tokens per slot, fewer than the primary's 1024: an "
         "answer cut late does not fit there"
@@ -124,10 +131,7 @@ def test_a_server_still_loading_is_told_apart_from_one_not_running() -> None:
     threading.Thread(target=loading.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{loading.server_address[1]}"
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "scripts.doctor", "--servers", f"{url},http://127.0.0.1:9"],
-            cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
-        ).stdout  # fmt: skip
+        out = doctor("--servers", f"{url},http://127.0.0.1:9", status=1)
     finally:
         loading.shutdown()
     assert f"--  {url}: answers neither /props nor /v1/models, though its port is held: " in out
