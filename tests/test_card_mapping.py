@@ -190,6 +190,36 @@ def test_fdinfo_pids_win_through_the_real_sources(roots: tuple[Path, Path]) -> N
     assert mapping.cards == {"drm:card0"} and mapping.how == gates.DRM_FDINFO
 
 
+def test_one_model_over_two_cards_is_found_on_both(roots: tuple[Path, Path]) -> None:
+    """llama-server with --tensor-split holds memory on both cards: NVML lists its pid on
+    each (and a CUDA process holds both device files), and fdinfo counts it on each."""
+    proc, sysfs = roots
+    process = server(proc)
+    process.open("/dev/nvidia0")
+    process.open("/dev/nvidia1")
+    held = PidCards()
+    held.add(4242, {"nvml:0"}, gates.NVML_PROCESSES)
+    held.add(4242, {"nvml:1"}, gates.NVML_PROCESSES)
+    mapping = card_map(proc, sysfs, {0: "nvml:0", 1: "nvml:1"}, held).mapping_of(URL)
+    assert mapping.cards == {"nvml:0", "nvml:1"} and mapping.how == "nvml processes"
+    # The same through DRM fdinfo (amdgpu, Intel): memory resident on both render nodes.
+    proc2, sysfs2 = roots[0].parent / "proc2", roots[1].parent / "sys2"
+    twice = server(proc2)
+    (twice.dir / "fdinfo").mkdir()
+    for n, pdev in ((0, "0000:03:00.0"), (1, "0000:04:00.0")):
+        card = FakeCard(sysfs2, f"card{n}", total_mib=24576, used_mib=0, pdev=pdev)
+        drm_node(sysfs2, f"renderD{128 + n}", card.device)
+        fd = twice.open(f"/dev/dri/renderD{128 + n}")
+        (twice.dir / "fdinfo" / fd.name).write_text(
+            f"pos:\t0\ndrm-driver:\tamdgpu\ndrm-pdev:\t{pdev}\ndrm-client-id:\t{n + 7}\n"
+            "drm-memory-vram:\t12582912 KiB\n"
+        )
+    source = FdinfoSource(proc2, sysfs2)
+    source.read()
+    found = CardMap({}, lambda: gpu_pids([source]), proc2, sysfs=sysfs2).mapping_of(URL)
+    assert found.cards == {"drm:card0", "drm:card1"} and found.how == gates.DRM_FDINFO
+
+
 def test_nvml_sources_give_labelled_pids_and_minors() -> None:
     class Nvml(NvmlSource):  # the glue only: the real NVML is tested at its boundary
         def __init__(self) -> None:

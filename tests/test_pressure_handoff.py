@@ -252,3 +252,33 @@ def test_a_card_its_own_server_fills_while_loading_is_not_pressure(
     stream = read_stream(proxy.url, chat_body(40))
     assert_one_clean_stream(stream)
     assert stream.notes == [] and stream.text == read_stream(primary.url, chat_body(40)).text
+
+
+def test_one_model_over_two_cards_hands_off_for_a_step_on_either(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    """The primary's model is split over two 24 GiB cards (--tensor-split), each full at
+    rest; the fallback is elsewhere. Memory taken on the second card hands the answer
+    off; once it is back, new answers start on the primary again and memory taken on
+    the first card hands the next one off."""
+    sysfs = tmp_path / "sys"
+    card0 = FakeCard(sysfs, "card0", total_mib=24576, used_mib=24076)
+    card1 = FakeCard(sysfs, "card1", total_mib=24576, used_mib=23976)
+    FakeCard(sysfs, "card2", total_mib=8192, used_mib=2000)
+    on = {primary.url: "drm:card0+drm:card1", fallback.url: "drm:card2"}
+    options = [*watch_sysfs(sysfs, on), "spillover_dwell_s=0"]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    proxy.servers_known()
+    mapped = httpx.get(proxy.url + "/spillover/status").json()["memory"]["servers"]
+    assert mapped[primary.url]["cards"] == ["drm:card0", "drm:card1"]
+    for card, used, said in ((card1, 24276, "drm:card1: 300 MiB free"),
+                             (card0, 24376, "drm:card0: 200 MiB free")):  # fmt: skip
+        stream = read_stream(
+            proxy.url, chat_body(LONG), on_chunk=lambda n, c=card, u=used: n == 20 and c.set_used(u)
+        )
+        assert_one_clean_stream(stream)
+        (note,) = stream.notes
+        assert f"memory pressure on {said}" in note
+        assert_exact_splice(stream, primary.url, fallback.url, LONG)
+        card.set_used(used - 300)  # given back
+        wait_for(proxy, primary.url, "ok")
