@@ -4,17 +4,22 @@ own option checks under a plain `mitmdump -s`."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from mitmproxy.optmanager import parse
 
+from scripts.config import read
+from scripts.options import declared
 from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 
+REPO = Path(__file__).resolve().parent.parent
 SPILLOVER = Path(sys.executable).parent / "spillover"
 A, B = "http://127.0.0.1:8081", "http://127.0.0.1:8082"  # nothing needs to answer there
 
@@ -162,24 +167,39 @@ class ConfigRun(Mitmdump):
         return [*run, *self.args]
 
 
-def test_a_proxy_from_a_config_file_carries_an_answer_across_a_handoff(
+def yaml_blocks(page: str) -> list[str]:
+    """The config files a page shows (its YAML blocks that name a primary)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / page).read_text(), re.S)
+    return [block for block in blocks if re.search(r"^primary:", block, re.M)]
+
+
+def test_the_config_files_in_the_docs_are_read_as_written(tmp_path: Path) -> None:
+    blocks = yaml_blocks("README.md") + yaml_blocks("docs/running.md")
+    assert len(blocks) >= 2
+    known = declared()
+    for at, block in enumerate(blocks):
+        (path := tmp_path / f"{at}.yaml").write_text(block)
+        settings, options = read(path, known)
+        assert settings["primary"] and settings["fallbacks"] and options, block
+
+
+def test_a_proxy_from_the_readmes_config_file_carries_an_answer_across_a_handoff(
     start_server, fallback, server_logs: Path, tmp_path: Path
 ) -> None:
-    """The file names the servers (the fallbacks as a YAML list), a port that the flag
-    overrides, and options with and without the prefix; an option after `--` wins over
-    the file's value of it (rather than be refused as given twice)."""
+    """The README's file with the test's servers: the fallbacks a YAML list, a port that
+    the flag overrides, an option without the prefix; and one with it, and an option
+    after `--` that wins over the file's value of it (rather than be refused as given
+    twice)."""
     primary = start_server("primary")
+    (readme,) = yaml_blocks("README.md")
+    named = parse(readme)
+    (their_fallback,) = named["fallbacks"]
+    text = readme.replace(named["primary"], primary.url).replace(their_fallback, fallback.url)
     config = tmp_path / "spillover.yaml"
-    config.write_text(
-        f"primary: {primary.url}\n"
-        f"fallbacks:\n  - {fallback.url}\n"
-        f"port: {free_port()}\n"  # the flag's port wins
-        "listen_host: 127.0.0.1\n"
-        "interval_ms: 40\n"
-        "spillover_stall_s: 25\n"
-    )
+    config.write_text(f"{text}interval_ms: 40\nspillover_stall_s: 25\n")
     args = ["--", "--set", "flow_detail=0", "--set", "spillover_interval_ms=60"]
     proxy = ConfigRun(config, primary.url, [fallback.url], args, log_dir=server_logs)
+    assert f"port: {proxy.port}\n" not in text  # the flag's port is another
     proxy.start(timeout=60)
     try:
         proxy.servers_known()
