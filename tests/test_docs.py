@@ -93,11 +93,14 @@ def ask(primary: Throttled) -> None:
         httpx.post(f"{PROXY}/spillover/handoff")
 
 
-@pytest.mark.parametrize("heading", ["## Two cards: ", "## One card: "])
+@pytest.mark.parametrize(
+    "heading", ["## Two cards: ", "## One model over two cards", "## One card: "]
+)
 def test_the_cards_quick_starts_run_as_written(
     heading: str, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """docs/your-cards.md's blocks for two cards and for one, run by bash: the first line
+    """docs/your-cards.md's blocks for two cards, one model over two, and one card, run by
+    bash: the first line
     (your models) set to the tiny ones, `llama-server` the one the setup found,
     `spillover` this checkout's; the rest as written. No GPU here, so the servers run on
     the CPU (`-ngl 99` offloads nothing, `CUDA_VISIBLE_DEVICES` picks nothing). A
