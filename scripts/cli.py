@@ -35,6 +35,7 @@ import httpx
 
 from scripts.config import DEFAULTS, ConfigError, settle
 from scripts.config import mistakes as run_mistakes
+from scripts.options import main as list_options
 from scripts.summary import summary
 
 ADDON = Path(__file__).resolve().parent.parent / "addon" / "spillover.py"
@@ -119,7 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False,
         epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    run.add_argument("--config", type=Path, metavar="FILE.yaml", help="settings and options")
+    run.add_argument(
+        "--config", type=Path, metavar="FILE.yaml",
+        help="a YAML file of these settings and any spillover_* option (see below)",
+    )  # fmt: skip
     run.add_argument("--primary", help="the primary server's URL (http://HOST:PORT)")
     run.add_argument("--fallbacks", help="comma-separated fallback URLs, in order (default: none)")
     run.add_argument(
@@ -166,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "status":
         sys.exit(status(args.proxy, args.token, args.json))
     if args.command == "options":
-        from scripts.options import main as options
-
-        options()
+        list_options()
         return
     if args.command == "addon-path":
         print(ADDON)

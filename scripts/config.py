@@ -153,6 +153,8 @@ def mistakes(args: argparse.Namespace) -> list[str]:
         if args.config is not None:
             return [f"{args.config} names no primary (primary: http://HOST:PORT), nor --primary"]
         return ["run needs --primary (or a --config file that names it)"]
+    if not 0 <= args.port <= 65535:
+        return [f"port {args.port} is not a port (0 to 65535)"]
     fallbacks = [url.strip() for url in args.fallbacks.split(",") if url.strip()]
     return server_mistakes([args.primary], fallbacks, [(args.listen_host, args.port)])
 

@@ -59,6 +59,7 @@ def refused(said: subprocess.CompletedProcess[str]) -> str:
           "--port", "9000"],
          "fallback http://127.0.0.1:9000 is this proxy's own address (0.0.0.0:9000): it "
          "would send answers to itself"),
+        (["--primary", A, "--port", "70000"], "port 70000 is not a port (0 to 65535)"),
         ([], "run needs --primary (or a --config file that names it)"),
     ],
 )  # fmt: skip
