@@ -230,6 +230,8 @@ def test_the_wheel_installs_one_package_and_its_commands_run(built: Built, tmp_p
     for command in ("run", "status", "doctor", "watch", "stress", "services", "guard"):
         said = installed(command, "--help")
         assert said.returncode == 0 and "usage: spillover" in said.stdout, (command, said.stderr)
+    listed = installed("options")  # the addon's own declarations, loaded from the package
+    assert listed.returncode == 0 and "spillover_fallbacks  (str" in listed.stdout, listed.stderr
 
 
 def test_a_fresh_venv_from_the_wheel_runs_every_command(
