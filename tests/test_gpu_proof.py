@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from scripts.gpu.hog import Plan, PressureSimulator, Simulator, plan_memory
+from scripts.gpu.plan import CHUNK_MIB, plan_memory
 from scripts.gpu.prepare import (
     PROJECT_MODULES,
     _unpack,
@@ -178,54 +178,33 @@ def test_the_cuda_build_is_one_architecture_static_offline_and_the_server_only()
 H200_TOTAL, H200_IDLE = 143771 - 615, 1500  # NVML v2: the driver's reserve leaves the total
 
 
-def _replay(plan: Plan, total: float, used: float) -> tuple[int, bool]:
-    """Take the plan on a fresh simulated card: (chunks that fired, whether the step fires)."""
-    sim = PressureSimulator(total, total - used)
-    free, fired = total - used, 0
-    for chunk in plan.ballast_mib:
-        free -= chunk
-        fired += sim.allocate(free, plan.gap_s)
-    assert sim.clear_at(free), "the card must re-arm once the step is freed"
-    return fired, sim.allocate(free - plan.step_mib, 0.05)
-
-
-def test_the_plan_holds_against_the_projects_own_pressure_lines() -> None:
+def test_the_plan_fills_the_card_to_its_rest_and_steps_across_a_line_from_there() -> None:
     plan = plan_memory(H200_TOTAL, H200_IDLE)
     assert plan.checked == "watchers.pressure, default lines" and not plan.notes
-    assert sum(plan.ballast_mib) == H200_TOTAL - H200_IDLE - plan.target_free_mib
-    assert plan.target_free_mib >= 6144
-    assert plan.step_mib == plan.target_free_mib - 1024
-    assert plan.step_fires is True
-    assert _replay(plan, H200_TOTAL, H200_IDLE) == (0, True)
+    assert sum(plan.ballast_mib) == H200_TOTAL - H200_IDLE - 6144
+    assert max(plan.ballast_mib) <= CHUNK_MIB and len(plan.ballast_mib) == 9
+    assert (plan.rest_free_mib, plan.step_mib) == (6144, 6144 - 1024)
+    assert plan.step_fires is True and plan.rearms is True
 
 
-def test_the_plan_splits_the_ballast_where_one_allocation_would_fire() -> None:
-    class BigDrops(Simulator):
-        """Fires on any single drop of more than 10,000 MiB."""
-
-        def __init__(self, total: float, free: float) -> None:
-            self.free = free
-
-        def allocate(self, free_after: float, duration_s: float) -> bool:
-            fired, self.free = self.free - free_after > 10_000, free_after
-            return fired
-
-        def clear_at(self, free: float) -> bool:
-            return free > 3000
-
-    plan = plan_memory(80_000, 1_000, simulator=BigDrops)
-    assert max(plan.ballast_mib) <= 10_000 and sum(plan.ballast_mib) == 80_000 - 1_000 - 6144
-    assert plan.step_mib == 6144 - 1024 and plan.step_fires is False
+def test_the_plan_says_when_its_step_would_not_fire() -> None:
+    """A step leaving 5,000 of 6,144 MiB crosses no line (the floor is 2 GiB on this card,
+    and 1,144 MiB leaves more than floor + twice that): checked, not assumed."""
+    plan = plan_memory(H200_TOTAL, H200_IDLE, after_free_mib=5000)
+    assert plan.step_fires is False and plan.rearms is True
+    assert plan.notes == ["a step to 5,000 MiB free crosses no line at this rest"]
+    unchecked = plan_memory(H200_TOTAL, H200_IDLE, after_free_mib=5000, check=False)
+    assert unchecked.checked == "not checked"
+    assert unchecked.step_fires is None and unchecked.rearms is None
 
 
-def test_without_the_pressure_logic_the_ballast_creeps_in_thirds() -> None:
-    plan = plan_memory(H200_TOTAL, H200_IDLE, simulator=None)
-    assert plan.checked == "not checked" and plan.step_fires is None
-    free = H200_TOTAL - H200_IDLE
-    for chunk in plan.ballast_mib:
-        assert chunk <= max(128, (free - 2048) / 3)
-        free -= chunk
-    assert free == 6144
+def test_a_card_fuller_than_the_target_takes_no_ballast_and_half_its_free_memory() -> None:
+    """800 MiB free at rest: a card full at rest acts once half of that is taken."""
+    plan = plan_memory(8192, 8192 - 800)
+    assert plan.ballast_mib == [] and plan.rest_free_mib == 800
+    assert (plan.step_mib, plan.after_free_mib) == (600, 200)
+    assert plan.step_fires is True and plan.rearms is True
+    assert plan.notes[0] == "only 800 MiB free: no ballast, the runs start from that"
 
 
 # --- one run: the verdict and the times ----------------------------------------------------

@@ -1,24 +1,26 @@
-"""Another process taking GPU memory, for the GPU proof: a helper that holds torch's CUDA
-context (so creating it is never timed) and allocates or frees on request, and the plan
-of what to allocate.
+"""Another process taking memory, for the GPU proof and its CPU rehearsal: a helper that
+allocates or frees on request, and its client.
 
-    CUDA_VISIBLE_DEVICES=GPU-UUID python -m scripts.gpu.hog NVML_INDEX
-                                # the helper, on that one card; JSON lines in and out
+    CUDA_VISIBLE_DEVICES=GPU-UUID python -m scripts.gpu.hog cuda NVML_INDEX
+                        # torch on that one card (its CUDA context made once, never timed)
+    python -m scripts.gpu.hog file /sys/.../mem_info_vram_used
+                        # a sysfs-tree card (scripts/testbed/memfiles.py) standing in for it
 
-Requests: {"op": "alloc", "what": "ballast"|"step", "mib": N} and {"op": "free",
-"what": ...}; each answer carries time.monotonic() just before torch.empty ("t0") and
-just after it and torch.cuda.synchronize() returned ("t1"), and for a step the first time
-NVML showed the memory taken ("nvml_seen", polled for up to 200 ms).
+JSON lines in and out. Requests: {"op": "read"} (the card's used and total MiB),
+{"op": "alloc", "what": "ballast"|"step", "mib": N} and {"op": "free", "what": ...}.
+An allocation answers time.monotonic() just before it ("t0") and just after it is done
+("t1"), and for a step the first time the card's own counter showed it ("nvml_seen",
+polled for up to 200 ms). Freeing drops every block of that kind and gives the memory
+back to the card (torch.cuda.empty_cache).
 
-The plan: the ballast is taken in chunks, each small enough (and far enough apart) that
-no pressure line fires, until about `target_free` MiB is left; the step then leaves about
-`after_free`. Each chunk is checked against the project's own pressure logic
-(watchers.pressure, default lines) before it is taken.
+Both kinds of memory behave as torch's caching allocator does: a block counts on the
+card while anything holds it, and even after that until the cache is emptied. So the
+helper's loop is proven on the CPU the way it runs on the card: a block kept alive by a
+stray reference is never given back, on the file card as on the GPU.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import queue
@@ -26,10 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from scripts.parts.processes import die_with_parent
 
@@ -37,118 +39,30 @@ REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
-@dataclass
-class Plan:
-    ballast_mib: list[int]  # chunks, in order
-    gap_s: float  # between two chunks (longer than the step line's window)
-    target_free_mib: float
-    step_mib: int
-    checked: str  # how the plan was checked against the lines
-    step_fires: bool | None = None  # whether the step crosses a line (None: not known)
-    notes: list[str] = field(default_factory=list)
-
-
-class Simulator:
-    """A card's pressure state, fed the readings the monitor would take."""
-
-    def allocate(self, free_after: float, duration_s: float) -> bool:
-        """Memory drops to `free_after` now, then `duration_s` passes: whether it fired."""
-        raise NotImplementedError
-
-    def clear_at(self, free: float) -> bool:
-        """Whether a card with this much free is clear of every line (re-armed)."""
-        raise NotImplementedError
-
-
-class PressureSimulator(Simulator):
-    """The project's own pressure logic (watchers.pressure) with its default lines, read
-    every 5 ms (denser than the monitor ever reads, so it fires at least as readily)."""
-
-    def __init__(self, total_mib: float, free_mib: float) -> None:
-        from watchers.pressure import CardState, Lines
-        from watchers.reading import Reading
-
-        self._reading, self.lines = Reading, Lines()
-        self.state = CardState("plan")
-        self.total, self.free, self.now = total_mib, free_mib, 0.0
-        self._idle(1.0)
-
-    def _idle(self, duration_s: float) -> bool:
-        fired = False
-        end = self.now + duration_s
-        while self.now < end:
-            reading = self._reading("plan", self.total - self.free, self.total, self.now)
-            fired |= bool(self.state.observe(reading, self.lines))
-            self.now += 0.005
-        return fired
-
-    def allocate(self, free_after: float, duration_s: float) -> bool:
-        self.free = free_after
-        return self._idle(duration_s)
-
-    def clear_at(self, free: float) -> bool:
-        reading = self._reading("plan", self.total - free, self.total, self.now)
-        return bool(type(self.state)("plan").clear(reading, self.lines))
-
-
-def plan_memory(
-    total_mib: float,
-    used_mib: float,
-    *,
-    target_free_mib: float = 6144,
-    after_free_mib: float = 1024,
-    gap_s: float = 0.5,
-    simulator: Callable[[float, float], Simulator] | None = PressureSimulator,
-    min_chunk_mib: int = 128,
-) -> Plan:
-    """What to take: ballast chunks down to `target_free_mib`, then one step leaving
-    `after_free_mib` free. Without a simulator the chunks stay under a third of what is
-    free above 2 GiB (no step line of today's kind fires on them)."""
-    free = total_mib - used_mib
-    notes: list[str] = []
-    sim: Simulator | None = None
-    if simulator is not None:
-        try:
-            sim = simulator(total_mib, free)
-            while not sim.clear_at(target_free_mib) and target_free_mib < free:
-                target_free_mib += 1024  # after the step is freed, the card must re-arm
-        except Exception as exc:  # the pressure module changed shape: plan without it
-            notes.append(f"pressure logic not usable for the plan ({exc!r})")
-            sim = None
-    chunks: list[int] = []
-    while free - target_free_mib >= 1:
-        size = int(free - target_free_mib)
-        if sim is None:
-            size = min(size, max(min_chunk_mib, int((free - 2048) / 3) - 64))
-        else:
-            while size > min_chunk_mib and copy.deepcopy(sim).allocate(free - size, gap_s):
-                size //= 2
-            if sim.allocate(free - size, gap_s):
-                notes.append(f"a chunk of {size} MiB crosses a line even so")
-        chunks.append(size)
-        free -= size
-    step = int(free - after_free_mib)
-    step_fires = None if sim is None else sim.allocate(free - step, 0.05)
-    checked = "watchers.pressure, default lines" if sim is not None else "not checked"
-    return Plan(chunks, gap_s, target_free_mib, step, checked, step_fires, notes)
-
-
 class Hog:
     """The helper process, seen from the proof."""
 
-    def __init__(self, nvml_index: int, uuid: str, log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "scripts.gpu.hog", str(nvml_index)],
+            [sys.executable, "-m", "scripts.gpu.hog", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             cwd=REPO,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": uuid},
+            env={**os.environ, **(env or {})},
             preexec_fn=die_with_parent,
         )
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
+
+    @classmethod
+    def cuda(cls, nvml_index: int, uuid: str, log_path: Path) -> Hog:
+        return cls(["cuda", str(nvml_index)], log_path, {"CUDA_VISIBLE_DEVICES": uuid})
+
+    @classmethod
+    def file_card(cls, used_file: Path, log_path: Path) -> Hog:
+        return cls(["file", str(used_file)], log_path)
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -169,14 +83,19 @@ class Hog:
         try:
             answer = self._replies.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"the GPU memory helper did not answer in {timeout:.0f}s") from None
+            raise RuntimeError(f"the memory helper did not answer in {timeout:.0f}s") from None
         if "error" in answer:
-            raise RuntimeError(f"the GPU memory helper failed: {answer['error']}")
+            raise RuntimeError(f"the memory helper failed: {answer['error']}")
         return answer
 
     def ask(self, timeout: float = 60, **request: Any) -> dict[str, Any]:
         self.send(**request)
         return self.reply(timeout)
+
+    def read(self) -> tuple[float, float]:
+        """The card's (used, total) MiB as the helper reads it."""
+        answer = self.ask(op="read")
+        return answer["used_mib"], answer["total_mib"]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -189,57 +108,152 @@ class Hog:
         self.log.close()
 
 
-def _serve(index: int) -> None:
-    import torch
+# --- the helper's side ----------------------------------------------------------------
 
-    device = torch.device("cuda:0")  # the one card CUDA_VISIBLE_DEVICES shows
-    torch.empty(1, device=device)
-    torch.cuda.synchronize(device)
-    nvml_used = _nvml_used(index)
+
+class Memory(Protocol):
+    name: str
+
+    def take(self, mib: int) -> Any:
+        """A block of `mib` MiB, allocated and ready when this returns."""
+
+    def give_back(self) -> None:
+        """Return every block nothing holds any more to the card (empty_cache)."""
+
+    def used_total(self) -> tuple[int, int] | None:
+        """The card's own (used, total) bytes, or None where it cannot be read."""
+
+
+class CudaMemory:
+    def __init__(self, nvml_index: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda:0")  # the one card CUDA_VISIBLE_DEVICES shows
+        torch.empty(1, device=self.device)
+        torch.cuda.synchronize(self.device)
+        self.name = torch.cuda.get_device_name(self.device)
+        self._nvml = _nvml_reader(nvml_index)
+
+    def take(self, mib: int) -> Any:
+        block = self.torch.empty(mib * MIB, dtype=self.torch.uint8, device=self.device)
+        self.torch.cuda.synchronize(self.device)
+        return block
+
+    def give_back(self) -> None:
+        self.torch.cuda.empty_cache()
+        self.torch.cuda.synchronize(self.device)
+
+    def used_total(self) -> tuple[int, int] | None:
+        return None if self._nvml is None else self._nvml()
+
+
+class FileCardMemory:
+    """A sysfs-tree card's `mem_info_vram_used` (and the `mem_info_vram_total` beside it):
+    each live or cached block is written into it, as the driver would count it."""
+
+    name = "a sysfs-tree card"
+
+    def __init__(self, used_file: Path) -> None:
+        from scripts.testbed.memfiles import write_in_place
+
+        self._write = write_in_place
+        self.used_file = used_file
+        self.total = int((used_file.parent / "mem_info_vram_total").read_text())
+        self.base = int(used_file.read_text())
+        self.counted: dict[int, int] = {}  # block id -> bytes still on the card
+        self.dead: set[int] = set()  # blocks nothing holds, still cached
+        self._next = 0
+
+    def take(self, mib: int) -> Any:
+        block = _Block(self._next)
+        self._next += 1
+        self.counted[block.id] = mib * MIB
+        weakref.finalize(block, self.dead.add, block.id)
+        self._store()
+        return block
+
+    def give_back(self) -> None:
+        for block_id in self.dead:
+            self.counted.pop(block_id, None)
+        self.dead.clear()
+        self._store()
+
+    def used_total(self) -> tuple[int, int] | None:
+        return int(self.used_file.read_text()), self.total
+
+    def _store(self) -> None:
+        self._write(self.used_file, f"{self.base + sum(self.counted.values()):>20}\n")
+
+
+class _Block:
+    def __init__(self, block_id: int) -> None:
+        self.id = block_id
+
+
+def serve(memory: Memory, requests: Iterable[str], emit: Callable[..., None]) -> None:
     held: dict[str, list[Any]] = {"ballast": [], "step": []}
-    _emit(ready=True, name=torch.cuda.get_device_name(device))
-    for line in sys.stdin:
+    emit(ready=True, name=memory.name)
+    for line in requests:
         request = json.loads(line)
         op = request["op"]
         if op == "quit":
             return
         try:
-            if op == "alloc":
-                before = nvml_used() if nvml_used else None
-                t0 = time.monotonic()
-                block = torch.empty(request["mib"] * MIB, dtype=torch.uint8, device=device)
-                torch.cuda.synchronize(device)
-                t1 = time.monotonic()
-                held[request["what"]].append(block)
-                seen = None
-                if nvml_used is not None and before is not None and request["what"] == "step":
-                    seen = _first_seen(nvml_used, before + 0.9 * request["mib"] * MIB, t1 + 0.2)
-                _emit(op=op, t0=t0, t1=t1, nvml_seen=seen)
+            if op == "read":
+                emit(op=op, **_read_mib(memory))
+            elif op == "alloc":
+                emit(op=op, **_allocate(memory, held[request["what"]], request))
             elif op == "free":
                 held[request["what"]].clear()
-                torch.cuda.empty_cache()
-                torch.cuda.synchronize(device)
-                _emit(op=op, t1=time.monotonic())
+                memory.give_back()
+                emit(op=op, t1=time.monotonic())
             else:
-                _emit(error=f"unknown op {op!r}")
+                emit(error=f"unknown op {op!r}")
         except Exception as exc:  # out of memory, mostly: say so and stay up
-            _emit(error=repr(exc))
+            emit(error=repr(exc))
 
 
-def _nvml_used(index: int) -> Callable[[], int] | None:
+def _allocate(memory: Memory, into: list[Any], request: dict[str, Any]) -> dict[str, Any]:
+    """One allocation, held only by `into`: a block left in a local of the serving loop
+    would outlive its free (the proof's first GPU run kept its step that way)."""
+    before = memory.used_total()
+    t0 = time.monotonic()
+    into.append(memory.take(request["mib"]))
+    t1 = time.monotonic()
+    seen = None
+    if before is not None and request["what"] == "step":
+        seen = _first_seen(memory, before[0] + 0.9 * request["mib"] * MIB, t1 + 0.2)
+    return {"t0": t0, "t1": t1, "nvml_seen": seen}
+
+
+def _read_mib(memory: Memory) -> dict[str, float | None]:
+    found = memory.used_total()
+    if found is None:
+        return {"used_mib": None, "total_mib": None}
+    return {"used_mib": found[0] / MIB, "total_mib": found[1] / MIB}
+
+
+def _nvml_reader(index: int) -> Callable[[], tuple[int, int]] | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+
+        def read() -> tuple[int, int]:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return info.used, info.total
+
+        return read
     except Exception:
         return None
 
 
-def _first_seen(used: Callable[[], int], at_least: float, until: float) -> float | None:
+def _first_seen(memory: Memory, at_least: float, until: float) -> float | None:
     while (now := time.monotonic()) < until:
-        if used() >= at_least:
+        found = memory.used_total()
+        if found is not None and found[0] >= at_least:
             return now
     return None
 
@@ -249,5 +263,11 @@ def _emit(**reply: Any) -> None:
     sys.stdout.flush()
 
 
+def main(argv: list[str]) -> None:
+    kind, where = argv
+    memory: Memory = CudaMemory(int(where)) if kind == "cuda" else FileCardMemory(Path(where))
+    serve(memory, sys.stdin, _emit)
+
+
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    main(sys.argv[1:])

@@ -42,7 +42,7 @@ from scripts.gpu.prepare import (
     nvml_read_us,
 )
 from scripts.gpu.stats import RunResult, Summary, format_table, handoff_ms_fields, parse_histogram
-from scripts.gpu.testbed import ProofBed, one_run
+from scripts.gpu.testbed import ProofBed, llama_server
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--total-s", type=float, default=560, help="stop starting runs by then")
     p.add_argument("--max-tokens", type=int, default=2000, help="length of each answer")
     p.add_argument("--after-chunks", type=int, default=20, help="take the step after these")
-    p.add_argument("--ballast-free-mib", type=float, default=6144, help="free after ballast")
+    p.add_argument(
+        "--ballast-free-mib", type=float, default=6144, help="free at rest, after ballast"
+    )
     p.add_argument("--after-free-mib", type=float, default=1024, help="free after the step")
     p.add_argument(
         "--dwell-s", type=int, default=1,
@@ -149,93 +151,45 @@ def run_in(
     gpu: Any,
 ) -> None:
     print(f"\n{gpu.name}, {gpu.total_mib:,} MiB, driver {gpu.driver}, sm_{gpu.arch}; logs: {work}")
-    print(f"building llama-server for CUDA sm_{gpu.arch} (once; about 3.5 min on 16 cores)")
+    print(f"building llama-server for CUDA sm_{gpu.arch} (once; about 3 min on 16 cores)")
     binary, summary.build_s = build_cuda_server(sdist, gpu.arch, work / "build.log", args.cache_dir)
     built = "cached" if summary.build_s is None else f"built in {summary.build_s:.0f} s"
     print(f"llama-server: {binary} ({built})")
     summary.nvml_read_us = nvml_read_us(gpu.index)
     save(summary, out)
 
+    # imported once the bundle's wheels are importable (httpx, mitmproxy, gguf)
+    from scripts.gpu.hog import Hog
+    from scripts.gpu.loop import Settings, steps_on_card
     from scripts.testbed.tinymodels import ensure_models
 
     models = ensure_models(work / "models")
-    fallback = args.fallback_binary or binary
-    with ProofBed(binary, models, gpu.uuid, work, args.dwell_s, fallback) as bed:
+    primary = llama_server(models["primary"], binary, work, gpu=gpu.uuid)
+    fallback = llama_server(models["fallback"], args.fallback_binary or binary, work, gpu=None)
+    options = [f"spillover_dwell_s={args.dwell_s}"]
+    with ProofBed(primary, [fallback], work, options) as bed:
+        hog = Hog.cuda(gpu.index, gpu.uuid, work / "hog.log")
+        try:
+            print(f"memory helper up on {hog.reply(timeout=180)['name']}")
+            settings = Settings(
+                args.ballast_free_mib, args.after_free_mib, args.after_chunks, args.max_tokens,
+                args.runs,
+            )  # fmt: skip
+            until = min(time.monotonic() + args.budget_s, started + args.total_s)
+
+            def on_run(result: RunResult) -> None:
+                print(describe(result))
+                save(summary, out)
+
+            steps_on_card(bed, hog, settings, summary, until, on_run)
+        finally:
+            hog.close()
         summary.extra["doctor"] = bed.doctor()
         print("\n" + summary.extra["doctor"])
-        card = bed.card_of_primary(summary)
-        run_all(args, bed, card, gpu, summary, started, out)
         metrics = bed.metrics()
         summary.detection = parse_histogram(metrics, "spillover_pressure_detection_seconds")
         summary.extra["metrics"] = [m for m in metrics.splitlines() if m.startswith("spillover_")]
     summary.handoff_ms_fields = handoff_ms_fields(bed.flows_metadata(summary))
-
-
-def run_all(
-    args: argparse.Namespace,
-    bed: ProofBed,
-    card: str,
-    gpu: Any,
-    summary: Summary,
-    started: float,
-    out: Path | None,
-) -> None:
-    from scripts.gpu.hog import Hog, plan_memory
-
-    hog = Hog(int(card.split(":")[1]), gpu.uuid, bed.work / "hog.log")
-    try:
-        print(f"memory helper up on {hog.reply(timeout=180)['name']}")
-        reading = bed.status()["memory"]["cards"][card]
-        plan = plan_memory(
-            reading["total_mib"],
-            reading["used_mib"],
-            target_free_mib=args.ballast_free_mib,
-            after_free_mib=args.after_free_mib,
-        )
-        for chunk in plan.ballast_mib:
-            try:
-                hog.ask(op="alloc", what="ballast", mib=chunk)
-            except RuntimeError as exc:  # the card filled faster than planned: take less
-                summary.extra.setdefault("errors", []).append(f"ballast: {exc}")
-                break
-            time.sleep(plan.gap_s)
-        runs_end = min(time.monotonic() + args.budget_s, started + args.total_s)
-        if not bed.ready(card, min(time.monotonic() + 60, runs_end)):
-            raise RuntimeError(f"{card} not armed after the ballast: {bed.status()['memory']}")
-        reading = bed.status()["memory"]["cards"][card]
-        step = int(reading["total_mib"] - reading["used_mib"] - args.after_free_mib)
-        summary.extra["plan"] = {**asdict(plan), "step_mib": step, "card_after_ballast": reading}
-        print(
-            f"ballast {sum(plan.ballast_mib):,} MiB in {len(plan.ballast_mib)} chunks "
-            f"({plan.checked}); {reading['total_mib'] - reading['used_mib']:,.0f} MiB free; "
-            f"each run takes {step:,} MiB more after {args.after_chunks} chunks"
-        )
-        while len(summary.runs) < args.runs and time.monotonic() < runs_end:
-            if not bed.ready(card, runs_end):
-                summary.extra.setdefault("errors", []).append(f"{card} did not re-arm in time")
-                break
-            result = gpu_run(len(summary.runs), bed.proxy.url, hog, step, args)
-            summary.runs.append(result)
-            print(describe(result))
-            save(summary, out)
-    finally:
-        hog.close()
-
-
-def gpu_run(index: int, url: str, hog: Any, step: int, args: argparse.Namespace) -> RunResult:
-    sent: list[bool] = []
-
-    def take_step() -> None:
-        hog.send(op="alloc", what="step", mib=step)
-        sent.append(True)
-
-    result = one_run(index, url, take_step, args.after_chunks, args.max_tokens)
-    if sent:
-        taken = hog.reply(timeout=60)
-        result.alloc_start, result.alloc_done = taken["t0"], taken["t1"]
-        result.nvml_seen = taken.get("nvml_seen")
-        hog.ask(op="free", what="step", timeout=60)
-    return result
 
 
 def describe(r: RunResult) -> str:
@@ -244,7 +198,7 @@ def describe(r: RunResult) -> str:
 
     verdict = "clean" if r.clean else f"NOT CLEAN ({r.why})"
     return (
-        f"run {r.index:>3}: {verdict}; allocation {ms(r.alloc_ms)} ms, note "
+        f"run {r.index:>3} ({r.kind}): {verdict}; allocation {ms(r.alloc_ms)} ms, note "
         f"{ms(r.alloc_to_note_ms)} ms after it, fallback text {ms(r.note_to_fallback_ms)} ms "
         "after the note"
     )

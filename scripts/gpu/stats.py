@@ -20,10 +20,11 @@ class RunResult:
     clean: bool  # one continued answer: one finish, one [DONE], one pressure handoff note
     why: str  # what was wrong, when not clean
     tokens: int = 0
+    kind: str = "step"  # what took the memory: a step (torch, a file card) or a loading server
     note: str | None = None
-    alloc_start: float | None = None  # the helper, just before torch.empty
+    alloc_start: float | None = None  # just before torch.empty (a loader: its start)
     alloc_done: float | None = None  # ... just after it and cuda synchronize returned
-    nvml_seen: float | None = None  # NVML first showed the step (the helper polled it)
+    nvml_seen: float | None = None  # NVML first showed the memory taken
     note_at: float | None = None  # the handoff note reached the client
     fallback_at: float | None = None  # the first fallback content chunk reached the client
 
@@ -79,6 +80,18 @@ def spread(values: Iterable[float | None]) -> dict[str, float] | None:
     }
 
 
+def run_figures(runs: list[RunResult]) -> dict[str, Any]:
+    clean = [r for r in runs if r.clean]
+    return {
+        "runs": len(runs),
+        "clean_handoffs": len(clean),
+        "alloc_to_note_ms": spread(r.alloc_to_note_ms for r in clean),
+        "note_to_fallback_ms": spread(r.note_to_fallback_ms for r in clean),
+        "alloc_ms": spread(r.alloc_ms for r in runs),
+        "nvml_lag_ms": spread(r.nvml_lag_ms for r in runs),
+    }
+
+
 @dataclass
 class Summary:
     runs: list[RunResult] = field(default_factory=list)
@@ -90,17 +103,13 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)  # plan, mapping, doctor, errors
 
     def figures(self) -> dict[str, Any]:
-        clean = [r for r in self.runs if r.clean]
+        kinds = sorted({r.kind for r in self.runs})
         return {
-            "runs": len(self.runs),
-            "clean_handoffs": len(clean),
-            "alloc_to_note_ms": spread(r.alloc_to_note_ms for r in clean),
-            "note_to_fallback_ms": spread(r.note_to_fallback_ms for r in clean),
-            "alloc_ms": spread(r.alloc_ms for r in self.runs),
-            "nvml_lag_ms": spread(r.nvml_lag_ms for r in self.runs),
+            **run_figures(self.runs),
             "handoff_fields_ms": {
                 name: spread(values) for name, values in sorted(self.handoff_ms_fields.items())
             },
+            "by_kind": {k: run_figures([r for r in self.runs if r.kind == k]) for k in kinds},
         }
 
     def as_json(self) -> dict[str, Any]:
@@ -131,11 +140,9 @@ def format_table(summary: Summary) -> str:
         ("llama-server CUDA build", "cached" if summary.build_s is None
                                     else f"{summary.build_s:.0f} s"),
         ("runs", str(f["runs"])),
-        ("clean handoffs", f"{f['clean_handoffs']} of {f['runs']}"),
-        ("allocation -> note ms", _fmt(f["alloc_to_note_ms"], ("p50", "p95", "max"))),
-        ("note -> first fallback chunk ms", _fmt(f["note_to_fallback_ms"], ("p50", "max"))),
-        ("allocation itself ms", _fmt(f["alloc_ms"], ("p50", "max"))),
-        ("allocation -> NVML shows it ms", _fmt(f["nvml_lag_ms"], ("p50", "max"))),
+        *_run_rows(f, ""),
+        *(row for kind, per in f["by_kind"].items() if len(f["by_kind"]) > 1
+          for row in _run_rows(per, f" ({kind})")),
         ("NVML memory read us", ", ".join(
             f"{kind} {us:.1f}" for kind, us in summary.nvml_read_us.items()) or "(not measured)"),
     ]  # fmt: skip
@@ -158,6 +165,16 @@ def format_table(summary: Summary) -> str:
         rows.append((f"handoff {name}", _fmt(stats, ("p50", "p95", "max"))))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _run_rows(f: dict[str, Any], kind: str) -> list[tuple[str, str]]:
+    return [
+        (f"clean handoffs{kind}", f"{f['clean_handoffs']} of {f['runs']}"),
+        (f"allocation -> note ms{kind}", _fmt(f["alloc_to_note_ms"], ("p50", "p95", "max"))),
+        (f"note -> first fallback chunk ms{kind}", _fmt(f["note_to_fallback_ms"], ("p50", "max"))),
+        (f"allocation itself ms{kind}", _fmt(f["alloc_ms"], ("p50", "max"))),
+        (f"allocation -> NVML shows it ms{kind}", _fmt(f["nvml_lag_ms"], ("p50", "max"))),
+    ]
 
 
 def _buckets(buckets: dict[str, float]) -> str:

@@ -1,14 +1,15 @@
-"""The GPU proof's test bed (`scripts/gpu/proof.py`): the primary llama-server on the GPU,
-the fallback on the CPU, a real mitmdump with the addon in front; and one measured run:
+"""The GPU proof's test bed (`scripts/gpu/proof.py`, and its CPU rehearsal): llama-servers
+on the GPU or the CPU, a real mitmdump with the addon in front; and one measured run:
 an answer streamed through the proxy, judged the way the test suite judges a handoff
 (`tests/streams.py`), with the times its handoff note and first fallback text arrived."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,78 +21,86 @@ REPO = Path(__file__).resolve().parents[2]
 MITMDUMP = "import sys; from mitmproxy.tools.main import mitmdump; sys.exit(mitmdump())"
 
 
-class ProofBed:
-    """The primary on the GPU, the fallback on the CPU, mitmdump with the addon in front;
-    all stopped on leaving, whatever happens."""
+def llama_server(
+    model: Path,
+    binary: Path,
+    work: Path,
+    *,
+    gpu: str | None,
+    ctx_size: int = 8192,
+    slots: int = 2,
+    extra_args: Sequence[str] = (),
+) -> Any:
+    """A llama-server with every layer on the card of UUID `gpu`, or (None) on the CPU
+    with no CUDA device visible, so it holds no card open."""
+    from scripts.parts.processes import ServerFailed
+    from scripts.testbed.llamaserver import LlamaServer
 
-    def __init__(
-        self,
-        binary: Path,
-        models: dict[str, Path],
-        uuid: str,
-        work: Path,
-        dwell: int,
-        fallback_binary: Path | None = None,
-    ) -> None:
-        from scripts.parts.processes import ServerFailed
+    class Server(LlamaServer):
+        visible: str | None = gpu or ""
+
+        def environment(self) -> dict[str, str] | None:
+            if self.visible is None:
+                return None
+            return {**os.environ, "CUDA_VISIBLE_DEVICES": self.visible}
+
+        def start(self, timeout: float = 30.0) -> Any:
+            try:
+                return super().start(timeout)
+            except ServerFailed:
+                if self.visible != "":
+                    raise
+                self.visible = None  # a CUDA build that will not start without a device
+                return super().start(timeout)
+
+    server = Server(
+        model, binary=binary, ctx_size=ctx_size, slots=slots, log_dir=work, extra_args=extra_args
+    )
+    if gpu is not None:
+        at = server.args.index("--device")
+        del server.args[at : at + 2]
+        server.args[server.args.index("--n-gpu-layers") + 1] = "99"
+    return server
+
+
+class ProofBed:
+    """The servers, and mitmdump with the addon in front of them once `start_proxy` is
+    called (after the ballast: what the card holds when the proxy first reads it is its
+    rest); all stopped on leaving, whatever happens."""
+
+    def __init__(self, primary: Any, fallbacks: list[Any], work: Path, options: list[str]):
         from scripts.testbed.mitm import Mitmdump
 
-        self.models, self.uuid, self.work = models, uuid, work
+        self.primary, self.fallbacks, self.work = primary, fallbacks, work
         self.flows = work / "flows.mitm"
-        self._failed = ServerFailed
-        env = {"CUDA_VISIBLE_DEVICES": uuid}
-        self.primary = self._server("primary", binary, env, gpu_layers=99)
-        # The fallback sees no CUDA device: it runs on the CPU and holds no card open.
-        self.fallback = self._server(
-            "fallback", fallback_binary or binary, {"CUDA_VISIBLE_DEVICES": ""}
-        )
 
         class ProofMitmdump(Mitmdump):
             def argv(self) -> list[str]:  # this Python's mitmproxy, wherever it came from
                 return [sys.executable, "-c", MITMDUMP, *super().argv()[1:]]
 
-        options = [f"save_stream_file={self.flows}", f"spillover_dwell_s={dwell}"]
         self.proxy = ProofMitmdump(
-            self.primary.url, [self.fallback.url], options=options, log_dir=work
+            primary.url,
+            [f.url for f in fallbacks],
+            options=[f"save_stream_file={self.flows}", *options],
+            log_dir=work,
         )
-
-    def _server(
-        self, model: str, binary: Path, env: dict[str, str], gpu_layers: int | None = None
-    ) -> Any:
-        from scripts.testbed.llamaserver import LlamaServer
-
-        class GpuLlamaServer(LlamaServer):
-            """LlamaServer runs on the CPU; this one chooses its own GPU use and env."""
-
-            def argv(self) -> list[str]:
-                return ["env", *(f"{k}={v}" for k, v in env.items()), *super().argv()]
-
-        server = GpuLlamaServer(
-            self.models[model], binary=binary, ctx_size=8192, slots=2, log_dir=self.work
-        )
-        if gpu_layers is not None and "--device" in server.args:
-            at = server.args.index("--device")
-            del server.args[at : at + 2]
-            server.args[server.args.index("--n-gpu-layers") + 1] = str(gpu_layers)
-        return server
 
     def __enter__(self) -> ProofBed:
         try:
-            self.primary.start(timeout=120)
-            try:
-                self.fallback.start(timeout=60)
-            except self._failed:  # a CUDA build that will not start without a device
-                self.fallback.argv = lambda: [str(self.fallback.binary), *self.fallback.args]
-                self.fallback.start(timeout=60)
-            self.proxy.start(timeout=60)
-            self.proxy.servers_known(timeout=30)
+            self.primary.start(timeout=180)
+            for fallback in self.fallbacks:
+                fallback.start(timeout=120)
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def start_proxy(self) -> None:
+        self.proxy.start(timeout=60)
+        self.proxy.servers_known(timeout=30)
+
     def __exit__(self, *_: object) -> None:
-        for process in (self.proxy, self.fallback, self.primary):
+        for process in (self.proxy, *self.fallbacks, self.primary):
             process.stop()
 
     def status(self) -> dict[str, Any]:
@@ -105,46 +114,34 @@ class ProofBed:
         return httpx.get(f"{self.proxy.url}/spillover/metrics", timeout=5).text
 
     def doctor(self) -> str:
-        servers = f"{self.primary.url},{self.fallback.url}"
+        servers = ",".join(s.url for s in (self.primary, *self.fallbacks))
         done = subprocess.run(
             [sys.executable, "-m", "scripts.doctor", "--servers", servers],
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         return (done.stdout + done.stderr).rstrip()
 
-    def card_of_primary(self, summary: Summary) -> str:
-        """The card the addon found the primary on (by its port: pid, then NVML's process
-        list or the device files it holds); the fallback should be on none."""
+    def card_of_primary(self, summary: Summary, kind: str = "nvml:") -> str:
+        """The one card (of this kind) the addon found the primary on: by its port (pid,
+        then NVML's process list or the device files it holds), or as it was told; a
+        fallback on the same card is said (a handoff never goes onto a card under
+        pressure, so it is passed over in those runs)."""
         deadline = time.monotonic() + 15
         while True:
             mapping = self.status().get("memory", {}).get("servers", {})
             summary.extra["cards_of_servers"] = mapping
-            cards = [c for c in cards_in(mapping.get(self.primary.url)) if c.startswith("nvml:")]
+            cards = [c for c in cards_in(mapping.get(self.primary.url)) if c.startswith(kind)]
             if len(cards) == 1:
                 print(f"cards found: {mapping}")
-                if cards[0] in cards_in(mapping.get(self.fallback.url)):
-                    summary.extra.setdefault("errors", []).append(
-                        f"the CPU fallback was mapped onto {cards[0]} too (try --fallback-binary "
-                        "with a CPU build)"
-                    )
+                shared = [f.url for f in self.fallbacks if cards[0] in cards_in(mapping.get(f.url))]
+                if shared:
+                    summary.extra["fallbacks_on_the_primarys_card"] = shared
                 return cards[0]
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the addon did not find the primary on one NVML card: {mapping}"
+                    f"the addon did not find the primary on one {kind} card: {mapping}"
                 )
             time.sleep(0.1)
-
-    def ready(self, card: str, until: float) -> bool:
-        """Wait until the card is armed, the primary takes new requests and no answer is live."""
-        while time.monotonic() < until:
-            status = self.status()
-            armed = status.get("memory", {}).get("cards", {}).get(card, {}).get("armed")
-            states = status.get("routing", {}).get("states", {})
-            state = states.get(self.primary.url, {}).get("state")
-            if armed and state == "ok" and not status.get("live"):
-                return True
-            time.sleep(0.02)
-        return False
 
     def flows_metadata(self, summary: Summary) -> list[dict[str, Any]]:
         try:
