@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scripts.testbed.memfiles import FakeCard, FakeProcess, add_listening_socket, drm_node
+from tests.listener import listening_process
 from watchers import gates
 from watchers.devices import DeviceCards, DeviceFile, open_devices
 from watchers.fdinfo import FdinfoSource
@@ -326,15 +327,13 @@ def test_another_users_server_says_permission_on_the_real_proc() -> None:
 
 
 def test_a_real_process_on_no_gpu_is_in_ram() -> None:
-    """This test process, listening through the real /proc: no GPU device open here."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
+    """A process listening, read through the real /proc: no GPU device open there."""
+    with listening_process() as (pid, port):
         mapping = CardMap({}, dict, minors=lambda: {0: "nvml:0"}).mapping_of(
             f"http://127.0.0.1:{port}"
         )
     assert mapping.cards == {"ram"} and mapping.how == gates.IN_RAM
-    # (with the servers earlier tests started, if still running: its descendants)
-    assert os.getpid() in mapping.pids and f"pid {os.getpid()} (" in mapping.detail
+    assert mapping.pids == (pid,) and f"pid {pid} (python" in mapping.detail
 
 
 def test_device_numbers_decide_over_names(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -12,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from scripts.testbed.memfiles import FakeCard, write_meminfo
+from tests.listener import listening_process
 from watchers.fdinfo import FdinfoSource, parse_fdinfo
-from watchers.gates import CardMap, listening_pids, parse_card_map
+from watchers.gates import IN_RAM, CardMap, listening_pids, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.meminfo import MeminfoSource
 from watchers.monitor import CONFIRM_S, SLOW_FACTOR, MemoryMonitor
@@ -355,12 +355,11 @@ def test_card_map_parsing() -> None:
 
 
 def test_gates_find_a_local_server_by_its_port() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        assert os.getpid() in listening_pids(port)
-        cards = CardMap({}, dict)
-        assert cards.cards_of(f"http://127.0.0.1:{port}") == {"ram"}  # on no GPU: system RAM
-        gpu = CardMap({}, lambda: {os.getpid(): {"nvml:1"}})
+    with listening_process() as (pid, port):
+        assert pid in listening_pids(port)
+        mapping = CardMap({}, dict).mapping_of(f"http://127.0.0.1:{port}")
+        assert (mapping.cards, mapping.how) == ({"ram"}, IN_RAM)  # no GPU device: system RAM
+        gpu = CardMap({}, lambda: {pid: {"nvml:1"}})
         assert gpu.servers_on(
             "nvml:1", [f"http://127.0.0.1:{port}", "http://gpu-box.invalid:8081"]
         ) == {f"http://127.0.0.1:{port}"}
