@@ -57,7 +57,9 @@ class MemoryWatch:
         )  # fmt: skip
         add(
             "spillover_free_floor_mib", int, 0,
-            "Hand off when a card has this little free (0: 3 percent of it, 512 MiB to 2 GiB).",
+            "Hand off when a card has this little free (0: 3 percent of it, 512 MiB to "
+            "2 GiB); a card with less than twice that free at rest (a model filling it) "
+            "hands off once half of what it had free is taken.",
         )  # fmt: skip
         add(
             "spillover_step_mib", int, 1024,
@@ -66,7 +68,8 @@ class MemoryWatch:
         )  # fmt: skip
         add(
             "spillover_rearm_mib", int, 1024,
-            "A card that fired is clear again once it has this much more than its floor free.",
+            "A card that fired is clear again once it has this much more than its floor "
+            "free, or three quarters of what was taken back.",
         )  # fmt: skip
         add(
             "spillover_dwell_s", int, 30,
