@@ -1,7 +1,7 @@
 """The fail-open guard: clients keep reaching the primary when the proxy is down.
 
-    .venv/bin/python -m scripts.guard --listen 127.0.0.1:8080 \\
-        --proxy 127.0.0.1:8090 --primary 127.0.0.1:8081
+    .venv/bin/python -m scripts.guard --listen 127.0.0.1:8090 \\
+        --proxy 127.0.0.1:8091 --primary 127.0.0.1:8081
 
 The guard owns the port clients use and relays each new connection, byte for byte, to the
 proxy (mitmdump with the addon) while the proxy answers its health route
@@ -20,6 +20,10 @@ the proxy and not passed on to the primary (`scripts.services` sets both up).
 A connection that carries nothing either way for `--idle-s` is closed, and when the
 connections would use more descriptors than the guard may open, the one idle the longest
 makes room for the new one: idle sockets cannot starve the clients that are asking.
+
+A guard that cannot start (its address taken, a non-loopback one without `--public`, no
+token file) says why in one line and exits with `CANNOT_START`, which its unit names in
+`RestartPreventExitStatus=`: restarting would not help.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import resource
 import sys
 import time
 from pathlib import Path
 
+from scripts.parts.ports import address, is_loopback, listen_error
 from scripts.parts.processes import ManagedProcess
 
+CANNOT_START = 78  # sysexits' EX_CONFIG
 CONNECT_TIMEOUT_S = 2.0
 READ_SIZE = 65536
 IDLE_S = 600.0  # longer than a long prompt's reading, when a stream is silent both ways
@@ -70,18 +75,6 @@ class Relayed:
     def close(self) -> None:
         for side in self.sides:
             side.transport.abort()
-
-
-def address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def say(line: str) -> None:
@@ -206,8 +199,15 @@ async def _pipe(
         writer.close()
 
 
+class CannotStart(Exception):
+    """Why the guard cannot start, in one line."""
+
+
 async def serve(listen: tuple[str, int], guard: Guard) -> None:
-    server = await asyncio.start_server(guard.relay, *listen)
+    try:
+        server = await asyncio.start_server(guard.relay, *listen)
+    except OSError as exc:
+        raise CannotStart(listen_error(exc, *listen)) from None
     answered, why = await guard.check()
     guard.via_proxy = answered
     say(
@@ -246,12 +246,13 @@ class GuardProcess(ManagedProcess):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--listen", type=address, default=("127.0.0.1", 8080),
-        help="HOST:PORT the clients connect to (default 127.0.0.1:8080)",
+        "--listen", type=address, default=("127.0.0.1", 8090),
+        help="HOST:PORT the clients connect to (default 127.0.0.1:8090)",
     )  # fmt: skip
     parser.add_argument(
-        "--proxy", type=address, default=("127.0.0.1", 8090),
-        help="HOST:PORT of the spillover proxy, where clients go while it is healthy",
+        "--proxy", type=address, default=("127.0.0.1", 8091),
+        help="HOST:PORT of the spillover proxy, where clients go while it is healthy "
+        "(default 127.0.0.1:8091)",
     )  # fmt: skip
     parser.add_argument(
         "--primary", type=address, default=("127.0.0.1", 8081),
@@ -283,24 +284,35 @@ def main() -> None:
         help="allow a non-loopback --listen (run the proxy with spillover_control_local=false)",
     )  # fmt: skip
     args = parser.parse_args()
+    try:
+        guard = Guard(
+            args.proxy, args.primary, args.every_s, args.timeout_s, args.fails, args.passes,
+            token=token(args), idle_s=args.idle_s, max_connections=args.max_connections,
+        )  # fmt: skip
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(args.listen, guard))
+    except CannotStart as exc:
+        print(f"guard: {exc}", file=sys.stderr)
+        sys.exit(CANNOT_START)
+
+
+def token(args: argparse.Namespace) -> str:
+    """The control token the health check carries ('' for none), once the listening
+    address is allowed."""
     if not is_loopback(args.listen[0]) and not args.public:
-        print(
-            "guard: a non-loopback --listen makes every client look local to the proxy: "
+        raise CannotStart(
+            "a non-loopback --listen makes every client look local to the proxy: "
             "add --public, run the proxy with --set spillover_control_local=false and a "
-            "spillover_control_token, and give the guard that token with --token-file",
-            file=sys.stderr,
+            "spillover_control_token, and give the guard that token with --token-file"
         )
-        sys.exit(2)
-    token = ""
-    if args.token_file is not None:
+    if args.token_file is None:
+        return ""
+    try:
         lines = args.token_file.read_text().splitlines()
-        token = lines[0].strip() if lines else ""
-    guard = Guard(
-        args.proxy, args.primary, args.every_s, args.timeout_s, args.fails, args.passes,
-        token=token, idle_s=args.idle_s, max_connections=args.max_connections,
-    )  # fmt: skip
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.listen, guard))
+    except OSError as exc:
+        why = f"cannot read the token file {args.token_file} ({exc.strerror})"
+        raise CannotStart(why) from None
+    return lines[0].strip() if lines else ""
 
 
 if __name__ == "__main__":

@@ -4,14 +4,18 @@ The proxy (mitmdump with the addon) and the guard each get a unit; the options l
 one file a person edits.
 
     spillover services install --primary http://127.0.0.1:8081 \\
-        --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8080] [--proxy-port 8090]
+        --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8090] [--proxy-port 8091]
     spillover services uninstall [--purge]
 
 `install` writes `~/.config/spillover/config.yaml` (mitmproxy's own options file, in a
 confdir of its own; kept if it exists), `spillover-proxy.service` (`spillover run
 --confdir`, restarted on failure) and `spillover-guard.service` (`spillover guard` on the
 clients' port), both running the installed command, in
-`~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes).
+`~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes), and
+says the address clients use. It first refuses ports that are a server's or taken here,
+and, with `--system`, a command the service user may not run (`scripts.servicechecks`);
+where the servers' processes are another user's, it writes the cards it finds for them
+(`scripts.parts.servicecards`).
 A non-loopback `--listen` is public: the proxy then trusts no local client on its control
 routes, and proxy and guard share a control token in `~/.config/spillover/control-token`
 (made once, mode 0600), which the guard's health check carries.
@@ -22,23 +26,22 @@ token too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pwd
-import re
-import secrets
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.guard import address, is_loopback
+from scripts import servicechecks
+from scripts.guard import CANNOT_START
+from scripts.parts.access import User
+from scripts.parts.ports import EVERY_ADDRESS, address, is_loopback
+from scripts.parts.servicecards import servers_cards
+from scripts.serviceoptions import ensure_token, write_or_keep
 
 UNITS = ("spillover-proxy.service", "spillover-guard.service")
-# An options file an earlier version wrote named the addon's file in a checkout; the
-# proxy unit's `spillover run` loads the addon itself now.
-OLD_SCRIPTS = re.compile(r"^scripts:\n  - \S*addon/spillover\.py\n", re.MULTILINE)
 
 
 def command() -> Path:
@@ -56,43 +59,6 @@ def config_home() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
 
 
-def ensure_token(path: Path) -> Path:
-    """The control token the proxy and the guard share (made once, readable by its owner
-    only): the guard's health check carries it where local clients are not trusted."""
-    if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(32) + "\n")
-    return path
-
-
-def options_file(
-    primary: str, fallbacks: str, proxy_port: int, token: Path | None, routed: bool = False
-) -> str:
-    """`token`: the control token's file, where the guard is public; `routed`: the unit's
-    command names the primary and the fallbacks (workers behind HAProxy, each on a port of
-    its own; the transparent mode)."""
-    # Behind a guard on a public address every client looks local: no control without
-    # the token then (the guard has it too, for its health check). Behind HAProxy (the
-    # workers) the control routes see each client's own address.
-    local = ""
-    if token is not None and not routed:
-        local = (
-            f"spillover_control_local: false\nspillover_control_token: {json.dumps(f'@{token}')}\n"
-        )
-    route = "" if routed else (
-        "mode:\n"
-        f"  - reverse:{primary}@127.0.0.1:{proxy_port}\n"
-        f"spillover_fallbacks: {json.dumps(fallbacks)}\n"  # (YAML reads an empty value as null)
-    )  # fmt: skip
-    return (
-        "# The spillover proxy's options, in mitmproxy's own format: any mitmproxy option\n"
-        "# or spillover_* option (docs/running.md lists them). Restart the service after an edit:\n"
-        "#   systemctl [--user] restart spillover-proxy\n"
-        f"{route}{local}"
-        "flow_detail: 0\n"
-    )
-
-
 @dataclass(frozen=True)
 class Manager:
     """How the service manager runs the units: a person's (user units: they run while
@@ -104,7 +70,10 @@ class Manager:
     run_as: str = "spillover"
     after: tuple[str, ...] = ()
 
-    def unit(self, what: str, start: str, restart: str, capabilities: str = "") -> str:
+    def unit(
+        self, what: str, start: str, restart: str, capabilities: str = "", final: int = 0
+    ) -> str:
+        """`final`: an exit code that says restarting would not help."""
         order = " ".join(self.after)
         if self.system:
             order = f"Wants=network-online.target\nAfter=network-online.target {order}".rstrip()
@@ -113,6 +82,8 @@ class Manager:
         service = f"User={self.run_as}\n" if self.system and self.run_as != "root" else ""
         if capabilities:
             service += f"AmbientCapabilities={capabilities}\nCapabilityBoundingSet={capabilities}\n"
+        if final:
+            service += f"RestartPreventExitStatus={final}\n"
         return (
             f"[Unit]\nDescription=spillover {what}\n" + (f"{order}\n" if order else "") + "\n"
             f"[Service]\n{service}ExecStart={start}\nRestart={restart}\nRestartSec=1\n\n"
@@ -137,7 +108,10 @@ def guard_unit(
         f"{command()} guard --listen {listen} --proxy 127.0.0.1:{proxy_port} "
         f"--primary {target}{extra}"
     )
-    return manager.unit("guard: clients reach the primary when the proxy is down", start, "always")
+    return manager.unit(
+        "guard: clients reach the primary when the proxy is down", start, "always",
+        final=CANNOT_START,
+    )  # fmt: skip
 
 
 def systemctl(manager: Manager, *args: str) -> str | None:
@@ -209,34 +183,16 @@ def install(args: argparse.Namespace) -> None:
             "services: --transparent changes the kernel's rules (CAP_NET_ADMIN): a system "
             "service only (--system)"
         )
+    routed = bool(args.workers or args.transparent)
+    servers = [args.primary, *filter(None, args.fallbacks.split(","))]
+    service_user = User.named(args.run_as) if args.system and args.run_as != "root" else None
+    check(args, servers, routed, service_user)
     confdir.mkdir(parents=True, exist_ok=True)
     units.mkdir(parents=True, exist_ok=True)
-    options = confdir / "config.yaml"
     public = not is_loopback(address(args.listen)[0])
     token = ensure_token(confdir / "control-token") if public else None
-    routed = bool(args.workers or args.transparent)
-    if options.exists():
-        print(f"services: keeping {options} as it is")
-        kept = options.read_text()
-        given = [args.primary, *filter(None, args.fallbacks.split(","))]
-        if not routed and (missing := [url for url in given if url not in kept]):
-            print(
-                f"services: WARNING: {options} does not name {', '.join(missing)}, given now: "
-                "edit it, or uninstall --purge and install again"
-            )
-        if OLD_SCRIPTS.search(kept):
-            options.write_text(OLD_SCRIPTS.sub("", kept))
-            print(f"services: {options} named the addon's file: removed (the unit loads it)")
-        if token and not routed and "spillover_control_token" not in options.read_text():
-            print(
-                f"services: the guard checks the proxy with the token in {token}: "
-                f"add spillover_control_token: '@{token}' to {options}"
-            )
-    else:
-        options.write_text(
-            options_file(args.primary, args.fallbacks, args.proxy_port, token, routed)
-        )
-        print(f"services: wrote {options}")
+    cards = cards_line(service_user, servers, confdir / "config.yaml")
+    write_or_keep(confdir / "config.yaml", args, token, routed, cards)
     if routed:
         # HAProxy, or the kernel's rules (gone with the proxy), take the clients'
         # address and do the guard's job: no guard unit.
@@ -263,18 +219,83 @@ def install(args: argparse.Namespace) -> None:
         if owned is not None:
             print(f"services: {owned}")
     if not args.no_start:
-        why = systemctl(manager, "daemon-reload") or systemctl(manager, "enable", "--now", *written)
-        if why is not None:
-            kind = "" if manager.system else " user"
-            print(f"services: not started: {why}; this machine has no{kind} systemd to run them.")
-            print(f"services: start them by hand:\n{by_hand(units)}")
-            return
-        print(f"services: clients use {args.listen}; the proxy listens on {args.proxy_port}")
-        if not args.system:
-            print(
-                "services: user services stop at logout and start at login: "
-                "`loginctl enable-linger` runs them from boot (or install --system)"
-            )
+        start(manager, units, written)
+    print(clients(args))
+
+
+def check(
+    args: argparse.Namespace, servers: list[str], routed: bool, service_user: User | None
+) -> None:
+    """Refuse what cannot work, before anything is written (see scripts.servicechecks)."""
+    mine = servicechecks.listeners(args.listen, args.proxy_port, guarded=not routed)
+    refused = servicechecks.contradictions(mine, servers)
+    here = servicechecks.on_this_machine(mine, UNITS, service_user, command())
+    if args.no_start:
+        for problem in here:
+            print(f"services: WARNING: {problem}")
+    else:
+        refused += here
+    if refused:
+        raise SystemExit("\n".join(f"services: {problem}" for problem in refused))
+
+
+def cards_line(service_user: User | None, servers: list[str], options: Path) -> str:
+    """The spillover_cards line to write for a service user that cannot find the servers'
+    cards itself ('' where none is needed, or where one cannot be written: then it says
+    what to add)."""
+    if service_user is None:
+        return ""
+    found = servers_cards(service_user, servers)
+    name = service_user.name
+    if found.unknown:
+        why = "; ".join(f"{url}: {how}" for url, how in found.unknown.items())
+        print(
+            f"services: the servers' cards are not known now ({why}); unless their processes "
+            f"will be {name}'s, add this line to {options}: {found.line()} "
+            f"(CARD: one of {', '.join(found.ids) or 'the ids spillover doctor shows'})"
+        )
+        return ""
+    if found.found:
+        how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
+        print(
+            f"services: the servers' processes are not {name}'s: it may not read their "
+            f"/proc/<pid>/fd to find their cards, so their cards are named for it ({how})"
+        )
+    return found.line() if found.found else ""
+
+
+def start(manager: Manager, units: Path, written: tuple[str, ...]) -> None:
+    why = (
+        systemctl(manager, "daemon-reload")
+        or systemctl(manager, "enable", *written)
+        or systemctl(manager, "restart", *written)  # a new install's units replace the old
+    )
+    if why is not None:
+        kind = "" if manager.system else " user"
+        print(f"services: not started: {why}; this machine has no{kind} systemd to run them.")
+        print(f"services: start them by hand:\n{by_hand(units)}")
+    elif not manager.system:
+        print(
+            "services: user services stop at logout and start at login: "
+            "`loginctl enable-linger` runs them from boot (or install --system)"
+        )
+
+
+def clients(args: argparse.Namespace) -> str:
+    """Where clients go, said last."""
+    if args.transparent:
+        return f"services: clients keep the primary's URL, {args.primary}"
+    host, port = address(args.listen)
+    if host in EVERY_ADDRESS:
+        host = "<this machine's address>"
+    elif ":" in host:
+        host = f"[{host}]"
+    behind = (
+        f"HAProxy in front of {args.workers} proxies"
+        if args.workers
+        else f"the guard; the proxy behind it listens on 127.0.0.1:{args.proxy_port}"
+    )
+    return f"services: clients use http://{host}:{port}/v1 ({behind})"
 
 
 def uninstall(args: argparse.Namespace) -> None:
@@ -298,13 +319,14 @@ def main() -> None:
     put.add_argument("--primary", required=True, help="the primary's URL")
     put.add_argument("--fallbacks", default="", help="comma-separated fallback URLs")
     put.add_argument(
-        "--listen", default="127.0.0.1:8080",
+        "--listen", default="127.0.0.1:8090",
         help="the clients' address: the guard's, which passes them to the proxy while it is "
-        "up and to the primary while it is not (default 127.0.0.1:8080)",
+        "up and to the primary while it is not; with --workers HAProxy's (default "
+        "127.0.0.1:8090, as spillover run's)",
     )  # fmt: skip
     put.add_argument(
-        "--proxy-port", type=int, default=8090,
-        help="the proxy's own port on 127.0.0.1, behind the guard (default 8090)",
+        "--proxy-port", type=int, default=8091,
+        help="the proxy's own port on 127.0.0.1, behind the guard (default 8091)",
     )  # fmt: skip
     put.add_argument(
         "--workers", type=int, default=0,

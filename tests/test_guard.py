@@ -5,6 +5,7 @@ way took."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.guard import GuardProcess
+from scripts.guard import CANNOT_START, GuardProcess
 from scripts.testbed.mitm import Mitmdump
 from tests.streams import chat_body
 from tests.test_splice import held
@@ -140,7 +141,23 @@ def test_a_guard_on_a_public_address_must_be_told_so() -> None:
         [sys.executable, "-m", "scripts.guard", "--listen", "0.0.0.0:1"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
-    assert refused.returncode == 2 and "spillover_control_local=false" in refused.stderr
+    assert refused.returncode == CANNOT_START and "spillover_control_local=false" in refused.stderr
+
+
+def test_a_guard_on_a_taken_port_says_who_holds_it_in_one_line() -> None:
+    """No asyncio traceback, and the exit code its unit will not restart on
+    (RestartPreventExitStatus=, tests/test_services.py)."""
+    with socket.create_server(("127.0.0.1", 0)) as held_port:
+        port = held_port.getsockname()[1]
+        refused = subprocess.run(
+            [sys.executable, "-m", "scripts.guard", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert refused.returncode == CANNOT_START, refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"guard: 127.0.0.1:{port} is taken by pid {os.getpid()} ({me})"
+    ]
 
 
 def test_without_local_trust_the_control_routes_need_the_token(primary, server_logs: Path) -> None:

@@ -10,6 +10,7 @@ import os
 import pwd
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.guard import CANNOT_START
 from scripts.parts.processes import free_port
 from scripts.testbed.containers import DockerUnavailable, docker, ensure_daemon, systemd_image
 from scripts.testbed.mitm import REPO
@@ -105,11 +107,17 @@ def test_install_runs_the_proxy_and_the_guard_and_uninstall_removes_them(
 
 def test_a_public_guard_closes_the_control_routes_to_local_clients(tmp_path: Path) -> None:
     config = tmp_path / "config"
-    listen = "0.0.0.0:8080"
-    services(config, "install", "--primary", "http://127.0.0.1:9", "--listen", listen, "--no-start")
+    listen = f"0.0.0.0:{free_port()}"
+    said = services(
+        config, "install", "--primary", "http://127.0.0.1:9", "--listen", listen, "--no-start"
+    )
     assert "spillover_control_local: false" in (config / "spillover" / "config.yaml").read_text()
     guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
-    assert "--listen 0.0.0.0:8080" in guard and "--public" in guard
+    assert f"--listen {listen}" in guard and "--public" in guard
+    port = listen.rsplit(":", 1)[1]
+    assert said.splitlines()[-1].startswith(
+        f"services: clients use http://<this machine's address>:{port}/v1 (the guard"
+    )
 
 
 def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
@@ -164,18 +172,24 @@ def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
     assert not token_path.exists()
 
 
-def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path) -> None:
-    """A stand-in `systemctl` that fails as it does on a machine with no user bus (the
+def without_systemd(tmp_path: Path) -> dict[str, str]:
+    """An environment whose `systemctl` fails as it does on a machine with no user bus (the
     real one would start services on a machine that has one)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "systemctl"
     fake.write_text("#!/bin/sh\necho 'Failed to connect to bus: No medium found' >&2\nexit 1\n")
     fake.chmod(0o755)
-    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"),
-           "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+
+
+def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path) -> None:
+    env = without_systemd(tmp_path)
+    ports = ["--listen", f"127.0.0.1:{free_port()}", "--proxy-port", str(free_port())]
     run = subprocess.run(
-        [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:9"],
+        [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:9",
+         *ports],
         cwd=REPO, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0 and "Traceback" not in run.stderr
@@ -185,26 +199,80 @@ def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path
     assert "start them by hand:" in run.stdout and "spillover run --confdir " in run.stdout
     again = subprocess.run(
         [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:7",
-         "--no-start"],
+         *ports, "--no-start"],
         cwd=REPO, env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "WARNING:" in again and "does not name http://127.0.0.1:7, given now" in again
 
 
+def test_install_refuses_a_servers_address_and_a_taken_port(tmp_path: Path) -> None:
+    """One line each, an exit code that is not 0, and nothing written; a port taken here
+    is named with the process that holds it. With --no-start what this machine says now
+    is only said: the files may be meant for later."""
+    env = without_systemd(tmp_path)
+
+    def install(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "scripts.services", "install", "--primary", primary,
+             "--fallbacks", fallback, *args],
+            cwd=REPO, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+
+    primary_port, fallback_port, spare = free_port(), free_port(), free_port()
+    primary = f"http://127.0.0.1:{primary_port}"
+    fallback = f"http://localhost:{fallback_port}"
+    refused = {
+        ("--listen", f"127.0.0.1:{primary_port}", "--proxy-port", str(spare)):
+            f"--listen 127.0.0.1:{primary_port} is the server {primary}'s own address",
+        ("--listen", f"0.0.0.0:{primary_port}", "--proxy-port", str(spare)):
+            f"--listen 0.0.0.0:{primary_port} is the server {primary}'s own address",
+        ("--listen", f"127.0.0.1:{spare}", "--proxy-port", str(fallback_port)):
+            f"--proxy-port 127.0.0.1:{fallback_port} is the server {fallback}'s own address",
+        ("--listen", f"127.0.0.1:{spare}", "--proxy-port", str(spare)):
+            "--listen and --proxy-port name one port",
+    }  # fmt: skip
+    for args, why in refused.items():
+        run = install(*args)
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+        assert [line for line in run.stderr.splitlines() if why in line], (args, run.stderr)
+    assert not (tmp_path / "config").exists()
+
+    me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        ports = ("--listen", f"127.0.0.1:{port}", "--proxy-port", str(spare))
+        run = install(*ports)
+        taken = f"--listen: 127.0.0.1:{port} is taken by pid {os.getpid()} ({me})"
+        assert run.returncode != 0 and run.stderr.splitlines() == [f"services: {taken}"]
+        assert not (tmp_path / "config").exists()
+        written = install(*ports, "--no-start")
+    assert written.returncode == 0 and f"services: WARNING: {taken}" in written.stdout
+    assert (tmp_path / "config" / "spillover" / "config.yaml").exists()
+    assert written.stdout.splitlines()[-1] == (
+        f"services: clients use http://127.0.0.1:{port}/v1 (the guard; the proxy behind it "
+        f"listens on 127.0.0.1:{spare})"
+    )
+
+
 def test_an_options_file_that_names_the_addon_file_is_mended(tmp_path: Path) -> None:
     """An earlier install named the addon's file in a checkout; the unit's `spillover run`
-    loads the addon itself, and mitmproxy would load it twice."""
+    loads the addon itself, and mitmproxy would load it twice. It also had the proxy on
+    8090, where the guard listens now: the proxy's port is the one the guard is told."""
     config = tmp_path / "config"
     services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
     options = config / "spillover" / "config.yaml"
     written = options.read_text()
     assert "scripts:" not in written
-    mode = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8090\n"
+    mode = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8091\n"
+    old = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8090\n"
     options.write_text(
-        written.replace(mode, mode + "scripts:\n  - /old/checkout/addon/spillover.py\n")
+        written.replace(mode, old + "scripts:\n  - /old/checkout/addon/spillover.py\n")
     )
     said = services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
     assert "named the addon's file: removed" in said and options.read_text() == written
+    assert "had the proxy on port 8090: now 8091" in said
+    guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
+    assert "--listen 127.0.0.1:8090 --proxy 127.0.0.1:8091 " in guard
     proxy = (config / "systemd" / "user" / "spillover-proxy.service").read_text()
     assert f"ExecStart={Path(sys.executable).parent / 'spillover'} run --confdir " in proxy
 
@@ -285,6 +353,8 @@ def test_system_units_start_at_boot_as_their_own_user_after_the_engines(tmp_path
     assert f"ExecStart={sys.executable.rsplit('/', 1)[0]}/spillover run --confdir {etc}" in (
         unit_lines(proxy)
     )
+    # A guard that cannot start (its port taken) is not started again and again.
+    assert f"RestartPreventExitStatus={CANNOT_START}" in unit_lines(guard)
     assert (etc / "config.yaml").exists()
     services(tmp_path / "home", "install", "--primary", "http://127.0.0.1:8081", "--no-start")
     user = tmp_path / "home" / "systemd" / "user" / "spillover-proxy.service"

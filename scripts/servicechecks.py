@@ -1,0 +1,65 @@
+"""What `services install` checks before it writes anything, each problem in one line.
+
+Given addresses that contradict each other (the guard's or the proxy's port a server's
+own) are refused always. What this machine says now (a port taken, a command the
+service user may not run) is refused too, but with `--no-start` only said: the files
+may be meant for later, or for another machine.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import scripts
+from scripts.parts.access import READ, RUN, User, cannot_use
+from scripts.parts.ports import address, cannot_listen, clash, same_socket
+
+SYSTEM_WIDE = (
+    "install spillover where every user may run it (python3.12 -m venv /opt/spillover; "
+    "docs/services.md, 'A system-wide install') and run that one's `spillover services install`"
+)
+
+
+def listeners(listen: str, proxy_port: int, guarded: bool) -> dict[str, tuple[str, int]]:
+    """What the units listen on: the clients' address, and the proxy's behind the guard."""
+    taken = {"--listen": address(listen)}
+    if guarded:
+        taken["--proxy-port"] = ("127.0.0.1", proxy_port)
+    return taken
+
+
+def contradictions(mine: dict[str, tuple[str, int]], servers: list[str]) -> list[str]:
+    """The addresses given that cannot all be had."""
+    found = []
+    for flag, (host, port) in mine.items():
+        if (server := clash((host, port), servers)) is not None:
+            found.append(
+                f"{flag} {host}:{port} is the server {server}'s own address: choose another"
+            )
+    if len(mine) == 2 and same_socket(*mine.values()):
+        found.append("--listen and --proxy-port name one port: the guard and the proxy need two")
+    return found
+
+
+def on_this_machine(
+    mine: dict[str, tuple[str, int]], ours: tuple[str, ...], run_as: User | None, command: Path
+) -> list[str]:
+    """What stands in the way here now: taken ports (ones `ours`, the units being
+    written, hold are taken back), and a `command` that `run_as` may not run."""
+    found = [
+        f"{flag}: {why}" for flag, place in mine.items() if (why := cannot_listen(*place, ours))
+    ]
+    if run_as is not None and (why := cannot_use(run_as, needs(command))) is not None:
+        found.append(f"{why}, so the units would not start (203/EXEC): {SYSTEM_WIDE}")
+    return found
+
+
+def needs(command: Path) -> dict[Path, int]:
+    """What a unit's `spillover` command opens as it starts: itself (a script), the
+    Python it names (this one: it is beside it), and the folder the project's code is in."""
+    return {
+        command: READ | RUN,
+        Path(sys.executable): RUN,
+        Path(scripts.__file__).resolve().parent.parent: READ | RUN,
+    }
