@@ -35,6 +35,7 @@ from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
 from addon.surface.nftables import owner_tables_work
 from scripts.parts import cardorder
+from watchers.cardids import unknown_cards
 from watchers.gates import CardMap, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.nvml import NvmlSource
@@ -46,9 +47,10 @@ from watchers.sources import ALL, card_map, open_sources
 OK, MISSING = "ok  ", "--  "
 EXIT_RULE = (
     "exits with 1 when something it found stops the protection: no memory source can be "
-    "read (no pressure handoff), or a server given does not answer as a server (not "
-    "running, still loading, a proxy); else with 0, warnings and the optional parts "
-    "(--transparent, --capture, KV migration, llama-server) aside"
+    "read (no pressure handoff), a server given does not answer as a server (not "
+    "running, still loading, a proxy), or --cards names a card no source reports; else "
+    "with 0, warnings and the optional parts (--transparent, --capture, KV migration, "
+    "llama-server) aside"
 )
 CAP_NET_ADMIN = 12
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -253,9 +255,16 @@ def main() -> None:
 
     lines = Lines(free_floor_mib=args.free_floor_mib)
     print("memory sources (lines: --set spillover_free_floor_mib, _step_mib, _rearm_mib)")
+    try:
+        explicit = parse_card_map(args.cards)
+    except ValueError as exc:
+        print(f"doctor: {exc}", file=sys.stderr)
+        sys.exit(2)
     sources, missing = open_sources(ALL, args.sysfs_root, args.proc_root)
+    seen: set[str] = set()
     for source in sources:
         results = source.read()
+        seen |= {result.card for result in results}
         print(f"  {OK}{source.name}: {len(results)} card(s)")
         for result in results:
             if isinstance(result, CardFailure):
@@ -294,8 +303,11 @@ def main() -> None:
     if not servers:
         print(f"  {MISSING}none given: pass --servers PRIMARY,FALLBACK,... (the primary first)")
     else:
+        for wrong in unknown_cards(explicit, seen):  # the proxy would refuse to start
+            print(f"  {MISSING}{wrong}")
+            stops.append("spillover_cards names a card that is not here")
         cards = card_map(
-            parse_card_map(args.cards), sources, args.proc_root, args.sysfs_root,
+            explicit, sources, args.proc_root, args.sysfs_root,
             parse_selectors(args.remote_cards),
         )  # fmt: skip
         infos = asyncio.run(ask_servers(servers))

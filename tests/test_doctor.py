@@ -26,14 +26,20 @@ def test_doctor_reports_sources_cards_and_servers(primary: LlamaServer, tmp_path
         [
             sys.executable, "-m", "scripts.doctor", "--sysfs-root", str(sysfs),
             "--proc-root", str(proc), "--servers", f"{primary.url},http://127.0.0.1:9",
-            "--cards", f"{primary.url}=drm:card0",
+            "--cards", f"{primary.url}=drm:card0,http://127.0.0.1:9=cuda:1",
         ],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     out = done.stdout
+    # A card named that no source reports: marked, as the proxy would refuse to start.
+    assert "--  spillover_cards: http://127.0.0.1:9=cuda:1: no card 'cuda:1' here;" in out
+    assert "spillover_cards names a card that is not here" in out.splitlines()[-1]
     # A server that does not answer stops the protection: said last, and the status is 1.
     assert done.returncode == 1, done.stderr
-    assert out.endswith("\nwhat stops the protection: http://127.0.0.1:9 (see servers)\n")
+    assert out.endswith(
+        "\nwhat stops the protection: spillover_cards names a card that is not here; "
+        "http://127.0.0.1:9 (see servers)\n"
+    )
     assert "ok  sysfs: 2 card(s)" in out
     assert (
         "drm:card0: 10,000 of 16,384 MiB used, 6,384 free; hands off on free <= 512 MiB or "
