@@ -15,7 +15,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, mem_available_mib, write_meminfo
 from scripts.testbed.mitm import ram_and_elsewhere, watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
-from tests.test_routing import wait_for
+from tests.test_routing import state_of, wait_for
 from tests.test_splice import held
 
 LONG = 800
@@ -282,3 +282,25 @@ def test_one_model_over_two_cards_hands_off_for_a_step_on_either(
         assert_exact_splice(stream, primary.url, fallback.url, LONG)
         card.set_used(used - 300)  # given back
         wait_for(proxy, primary.url, "ok")
+
+
+def test_real_ram_under_its_floor_at_start_keeps_new_answers_on_the_primary(
+    start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: Path
+) -> None:
+    """This machine's own RAM, with the floor set 1,000 MiB above what is free: full at
+    rest, as a card its model fills. New answers start on the primary, whole; the line it
+    acts on is half of what it had free."""
+    floor = int(mem_available_mib() + 1000)
+    options = [
+        *ram_and_elsewhere(fallback.url, tmp_path / "sys"),
+        f"spillover_free_floor_mib={floor}",
+    ]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    proxy.servers_known()
+    ram = httpx.get(proxy.url + "/spillover/status").json()["memory"]["cards"]["ram"]
+    assert ram["armed"] and ram["floor_mib"] < floor
+    assert "full at rest" in ram["acts_on"] and "under its" in ram["acts_on"]
+    stream = read_stream(proxy.url, chat_body(40))
+    assert_one_clean_stream(stream)
+    assert stream.notes == [] and stream.text == read_stream(primary.url, chat_body(40)).text
+    assert state_of(proxy, primary.url) == "ok"
