@@ -10,7 +10,6 @@ import os
 import pwd
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -203,55 +202,6 @@ def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path
         cwd=REPO, env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "WARNING:" in again and "does not name http://127.0.0.1:7, given now" in again
-
-
-def test_install_refuses_a_servers_address_and_a_taken_port(tmp_path: Path) -> None:
-    """One line each, an exit code that is not 0, and nothing written; a port taken here
-    is named with the process that holds it. With --no-start what this machine says now
-    is only said: the files may be meant for later."""
-    env = without_systemd(tmp_path)
-
-    def install(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "scripts.services", "install", "--primary", primary,
-             "--fallbacks", fallback, *args],
-            cwd=REPO, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-
-    primary_port, fallback_port, spare = free_port(), free_port(), free_port()
-    primary = f"http://127.0.0.1:{primary_port}"
-    fallback = f"http://localhost:{fallback_port}"
-    refused = {
-        ("--listen", f"127.0.0.1:{primary_port}", "--proxy-port", str(spare)):
-            f"--listen 127.0.0.1:{primary_port} is the server {primary}'s own address",
-        ("--listen", f"0.0.0.0:{primary_port}", "--proxy-port", str(spare)):
-            f"--listen 0.0.0.0:{primary_port} is the server {primary}'s own address",
-        ("--listen", f"127.0.0.1:{spare}", "--proxy-port", str(fallback_port)):
-            f"--proxy-port 127.0.0.1:{fallback_port} is the server {fallback}'s own address",
-        ("--listen", f"127.0.0.1:{spare}", "--proxy-port", str(spare)):
-            "--listen and --proxy-port name one port",
-    }  # fmt: skip
-    for args, why in refused.items():
-        run = install(*args)
-        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
-        assert [line for line in run.stderr.splitlines() if why in line], (args, run.stderr)
-    assert not (tmp_path / "config").exists()
-
-    me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
-    with socket.create_server(("127.0.0.1", 0)) as held:
-        port = held.getsockname()[1]
-        ports = ("--listen", f"127.0.0.1:{port}", "--proxy-port", str(spare))
-        run = install(*ports)
-        taken = f"--listen: 127.0.0.1:{port} is taken by pid {os.getpid()} ({me})"
-        assert run.returncode != 0 and run.stderr.splitlines() == [f"services: {taken}"]
-        assert not (tmp_path / "config").exists()
-        written = install(*ports, "--no-start")
-    assert written.returncode == 0 and f"services: WARNING: {taken}" in written.stdout
-    assert (tmp_path / "config" / "spillover" / "config.yaml").exists()
-    assert written.stdout.splitlines()[-1] == (
-        f"services: clients use http://127.0.0.1:{port}/v1 (the guard; the proxy behind it "
-        f"listens on 127.0.0.1:{spare})"
-    )
 
 
 def test_an_options_file_that_names_the_addon_file_is_mended(tmp_path: Path) -> None:
