@@ -10,6 +10,7 @@ import os
 import pwd
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -413,5 +414,20 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
         wait_until(proxy_answers)
         booted = inside("systemctl", "is-active", "spillover-proxy", "spillover-guard")
         assert booted.split() == ["active", "active"]
+        # Its port taken by another program, the guard fails once and stays down (its
+        # exit code is in RestartPreventExitStatus=) instead of restarting every second.
+        inside("systemctl", "stop", "spillover-guard")
+        with socket.create_server(("127.0.0.1", listen)):
+            inside("systemctl", "start", "spillover-guard")
+            time.sleep(3)
+            shown = inside(
+                "systemctl", "show", "-p", "ActiveState,ExecMainStatus,NRestarts",
+                "spillover-guard",
+            )  # fmt: skip
+        assert sorted(shown.split()) == [
+            "ActiveState=failed",
+            f"ExecMainStatus={CANNOT_START}",
+            "NRestarts=0",
+        ], shown
     finally:
         docker("rm", "-f", name)
