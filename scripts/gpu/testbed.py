@@ -63,33 +63,48 @@ def llama_server(
     return server
 
 
+def mitmdump(primary: Any, fallbacks: list[Any], options: list[str], work: Path) -> Any:
+    """mitmdump with the addon in front of these servers, run by this Python's mitmproxy
+    (a venv's, or the bundle's wheels installed with --target)."""
+    from scripts.testbed.mitm import Mitmdump
+
+    class ProofMitmdump(Mitmdump):
+        def argv(self) -> list[str]:
+            return [sys.executable, "-c", MITMDUMP, *super().argv()[1:]]
+
+    return ProofMitmdump(primary.url, [f.url for f in fallbacks], options=options, log_dir=work)
+
+
+def start_all(processes: Sequence[Any], timeout: float) -> None:
+    """Launch them all, then wait for each: models load side by side. One that fails is
+    started again on its own (a CUDA build refusing to start without a device retries
+    without hiding it)."""
+    from scripts.parts.processes import ServerFailed
+
+    for process in processes:
+        process.launch()
+    for process in processes:
+        try:
+            process.wait_healthy(timeout)
+        except ServerFailed:
+            process.start(timeout)
+
+
 class ProofBed:
     """The servers, and mitmdump with the addon in front of them once `start_proxy` is
     called (after the ballast: what the card holds when the proxy first reads it is its
     rest); all stopped on leaving, whatever happens."""
 
     def __init__(self, primary: Any, fallbacks: list[Any], work: Path, options: list[str]):
-        from scripts.testbed.mitm import Mitmdump
-
         self.primary, self.fallbacks, self.work = primary, fallbacks, work
         self.flows = work / "flows.mitm"
-
-        class ProofMitmdump(Mitmdump):
-            def argv(self) -> list[str]:  # this Python's mitmproxy, wherever it came from
-                return [sys.executable, "-c", MITMDUMP, *super().argv()[1:]]
-
-        self.proxy = ProofMitmdump(
-            primary.url,
-            [f.url for f in fallbacks],
-            options=[f"save_stream_file={self.flows}", *options],
-            log_dir=work,
+        self.proxy = mitmdump(
+            primary, fallbacks, [f"save_stream_file={self.flows}", *options], work
         )
 
     def __enter__(self) -> ProofBed:
         try:
-            self.primary.start(timeout=180)
-            for fallback in self.fallbacks:
-                fallback.start(timeout=120)
+            start_all([self.primary, *self.fallbacks], timeout=180)
         except BaseException:
             self.__exit__()
             raise
