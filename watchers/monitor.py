@@ -147,12 +147,13 @@ class MemoryMonitor:
                 for card in set(self.cards) - self.reported:
                     del self.cards[card]
 
-    def settle(self, cards: set[str]) -> None:
-        """A server on these cards came up: what they hold now is their rest (its model
-        filling a card is not pressure), and any that fired while it loaded is clear."""
+    def settle(self, cards: set[str], since: float) -> None:
+        """A server on these cards came up after being down from `since`: what they hold
+        now is their rest (its model filling a card is not pressure), and any that fired
+        while it was down (loading) is clear."""
         with self._lock:
             for card in sorted(cards):
-                if (state := self.cards.get(card)) is not None and state.settle():
+                if (state := self.cards.get(card)) is not None and state.settle(since):
                     log.info("%s", self.at_rest(state))
 
     def at_rest(self, state: CardState) -> str:

@@ -115,6 +115,7 @@ class CardState:
     armed: bool = True
     fired: int = 0
     fired_for: str | None = None  # the line it last fired on
+    fired_at: float | None = None  # the reading it last fired on (time.monotonic())
     clear_since: float | None = None  # when it was last re-armed (reading time)
     suspect: Reading | None = None  # a reading over a line, awaiting confirmation
     below: float | None = None  # the time of the last reading under every line
@@ -168,6 +169,7 @@ class CardState:
             self.armed = False
             self.fired += 1
             self.fired_for = line
+            self.fired_at = reading.time
             self.history.append((reading.time, reading.used_mib))
             return crossing
         self.history.append((reading.time, reading.used_mib))
@@ -180,11 +182,14 @@ class CardState:
         margin = lines.margin(self.last, self.rest_free)
         return margin is None or margin <= margin_mib
 
-    def settle(self) -> bool:
-        """The card as it is now is its rest (a server on it came up: whatever it took
-        while loading is its own): what it has free now is the base, and a card that
-        fired for it is clear at once. Whether anything changed."""
+    def settle(self, since: float) -> bool:
+        """A server on this card came up after being down from `since`: what the card has
+        free now is its rest, and if it fired since then (the server loading its model
+        filled it) it is clear at once; pressure from before the server went down stays.
+        Whether anything changed."""
         if self.last is None or self.last.free_mib is None:
+            return False
+        if not self.armed and (self.fired_at is None or self.fired_at < since):
             return False
         changed = not self.armed or self.rest_free != self.last.free_mib
         self.rest_free = self.last.free_mib

@@ -51,9 +51,10 @@ class Router:
         # The memory watcher's word on a server's cards: ("pressured" or "unknown", why),
         # or None when they are clear (or not watched).
         self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
-        # Told when a server comes up (its /health answers after it was down): whatever
-        # it took of its cards while loading is its own (the memory watcher re-bases them).
-        self.came_up: Callable[[str], None] = lambda _: None
+        # Told when a server comes up (its /health answers after it was down since the
+        # time given): what it took of its cards while loading is its own (the memory
+        # watcher re-bases them).
+        self.came_up: Callable[[str, float], None] = lambda _url, _since: None
         self.down: dict[str, Down] = {}
         self.busy: dict[str, tuple[str, float]] = {}  # server -> (why, until)
         self.refusals: dict[str, int] = {}  # requests refused before their first byte, by kind
@@ -144,8 +145,8 @@ class Router:
             self.mark_down(url, f"/health: HTTP {status}")
         elif url in self.down:
             log.info("%s answers again", url)
-            del self.down[url]
-            self.came_up(url)
+            since = self.down.pop(url).since
+            self.came_up(url, since)
             self.on_back(url)
 
     def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:

@@ -220,12 +220,13 @@ class MemoryWatch:
             return "unknown", f"{min(unread)}: unknown (no reading yet)"
         return judged
 
-    def came_up(self, server: str) -> None:
-        """A server came up: the cards it is on hold their rest now (its model filling
-        one is not pressure; memory taken after this is)."""
+    def came_up(self, server: str, down_since: float) -> None:
+        """A server came up after being down from `down_since`: the cards it is on hold
+        their rest now (its model filling one is not pressure; memory taken after this
+        is)."""
         if (watched := self._watched(server)) is not None:
             monitor, mapping = watched
-            monitor.settle(set(mapping.cards))
+            monitor.settle(set(mapping.cards), down_since)
 
     def near_of(self, server: str) -> bool:
         """Whether a server's cards are near their lines (shadow prefill starts)."""
