@@ -122,7 +122,10 @@ class Transcript:
         (servers here send one per token)."""
         leg = self.legs[-1]
         if text and self.reasoning and not self.content:
-            # The tag that closed the reasoning was a token too, with no delta of its own.
+            # The tag that closed the reasoning: its bytes came in no piece, so what the
+            # model wrote is not known byte for byte past here.
+            self.raw_whole = False
+            # It was a token too, with no delta of its own.
             self.produced += 1
             leg.completion_tokens += 1
         if text:

@@ -8,10 +8,12 @@ continuation goes on from the truth and from nothing else:
 
 - where the answer's token ids are known and the engine reads them as the model meant
   them, its rendering followed by those ids;
-- else, where the engine's chat route reads a trailing assistant message (asked its way)
-  as exactly the truth, that chat request: its parser keeps reasoning and tool calls;
-- else the truth itself on its text route, where it has one and no tools are offered
-  (a text completion would hand a tool call to the client as text);
+- else, where the engine's chat route reads a trailing assistant message (asked its way;
+  on llama-server, placed where its rendering is the truth: handoff/placing.py) as
+  exactly the truth, that chat request: its parser keeps reasoning and tool calls;
+- else the truth itself on its text route, where it has one and neither tools are
+  offered nor reasoning written (a text completion would hand a tool call, or the rest
+  of the reasoning, to the client as text);
 - else not at all: CannotContinue, saying where the prompts part.
 
 Each engine's terms are one module (handoff/llama_server.py, vllm.py,
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from addon.formats.dialect import Rewriter
 from addon.formats.transcript import Transcript
@@ -35,6 +37,7 @@ UNSEEN = (
     "such as an empty reasoning block): what it wrote is not known"
 )
 TEXT_ROUTE_AND_TOOLS = "and a text completion would not read tool calls"
+TEXT_ROUTE_AND_REASONING = "and a text completion would not read reasoning apart from content"
 
 
 class CannotContinue(Exception):
@@ -81,6 +84,19 @@ class Terms(Protocol):
         ...
 
 
+@runtime_checkable
+class Places(Protocol):
+    """An engine whose chat route can be asked to read a given prompt exactly (llama-
+    server's `continue_final_message`: handoff/placing.py)."""
+
+    async def placed(
+        self, chat: dict[str, Any], truth: Prompt, reasoning_open: bool
+    ) -> tuple[dict[str, Any] | None, str]:
+        """The chat request from `chat` whose prompt there is `truth` (None: where the
+        two part)."""
+        ...
+
+
 @dataclass
 class Answer:
     """The answer being continued, as the builder needs it."""
@@ -107,29 +123,49 @@ async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[L
     saw = await terms.saw()
     if ids is not None and (leg := terms.ids_leg(saw, ids)) is not None:
         return leg, "token ids"
-    if transcript.reasoning:
+    wrote = seen.written(transcript, answer.prefill)
+    if transcript.reasoning and not wrote.exact:
         return await _with_reasoning(terms, answer, saw), "text"
     if transcript.raw_lost:
         raise CannotContinue(UNSEEN.format(transcript.unseen))
-    wrote = seen.written(transcript, answer.prefill)
     truth = await terms.truth(saw, wrote.text)
-    why = f"{terms.url}'s chat route does not continue a partial message"
-    if (read := await terms.reads(answer.chat)) is not None:
-        if (why := terms.parting(read, truth)) is None:
-            return answer.chat_leg(answer.chat), "text"
-        delivered = transcript.text.removeprefix(answer.prefill)
-        if wrote.exact and wrote.text != delivered:
-            # The primary's parser changed the text (a leading space trimmed): the
-            # trailing message may carry what the model wrote instead.
-            raw = _carrying(answer.chat, answer.prefill + wrote.text)
-            if (read := await terms.reads(raw)) is not None and terms.parting(read, truth) is None:
-                return answer.chat_leg(raw), "text"
+    if isinstance(terms, Places):
+        reasoning_open = bool(transcript.reasoning) and not transcript.content
+        chat, why = await terms.placed(answer.chat, truth, reasoning_open)
+        if chat is not None:
+            return answer.chat_leg(chat), "text"
         why = f"{terms.url}: {why}"
+    else:
+        why = await _trailing_message(terms, answer, wrote, truth)
+        if not isinstance(why, str):
+            return why, "text"
+    if transcript.reasoning:
+        raise CannotContinue(f"{why}; {TEXT_ROUTE_AND_REASONING}")
     if answer.tools:
         raise CannotContinue(f"{why}; {TEXT_ROUTE_AND_TOOLS}")
     if (leg := terms.text_leg(truth)) is None:
         raise CannotContinue(f"{why}, and it has no text route")
     return leg, "text"
+
+
+async def _trailing_message(
+    terms: Terms, answer: Answer, wrote: seen.Written, truth: Prompt
+) -> Leg | str:
+    """The chat leg whose trailing message the engine reads as exactly `truth`, else why
+    none does."""
+    why = f"{terms.url}'s chat route does not continue a partial message"
+    if (read := await terms.reads(answer.chat)) is None:
+        return why
+    if (why := terms.parting(read, truth)) is None:
+        return answer.chat_leg(answer.chat)
+    delivered = answer.transcript.text.removeprefix(answer.prefill)
+    if wrote.exact and wrote.text != delivered:
+        # The primary's parser changed the text (a leading space trimmed): the trailing
+        # message may carry what the model wrote instead.
+        raw = _carrying(answer.chat, answer.prefill + wrote.text)
+        if (read := await terms.reads(raw)) is not None and terms.parting(read, truth) is None:
+            return answer.chat_leg(raw)
+    return f"{terms.url}: {why}"
 
 
 async def _with_reasoning(terms: Terms, answer: Answer, saw: Prompt) -> Leg:

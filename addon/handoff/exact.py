@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from addon.servers.directory import ServerDirectory
 
 
-def eligible(path: str, body: dict[str, Any]) -> bool:
-    """A chat request whose answer is plain text the server renders from a template:
-    no tools, no client prefill, no output constraint."""
+def eligible(path: str, body: dict[str, Any], tools: bool = False) -> bool:
+    """A chat request whose answer the server renders from a template: no client
+    prefill, no output constraint, and no tools unless `tools` (llama-server's pieces
+    are asked for with tools too: they are the only way to know what its parser trimmed;
+    its ids are then never replayed, see NextLeg._exact_ids)."""
     if not path.split("?")[0].endswith("/chat/completions") or body.get("stream") is not True:
         return False
     messages = body.get("messages")
@@ -36,7 +38,7 @@ def eligible(path: str, body: dict[str, Any]) -> bool:
         return False
     if messages[-1].get("role") == "assistant":
         return False
-    return not body.get("tools") and constraint_of(body) is None
+    return (tools or not body.get("tools")) and constraint_of(body) is None
 
 
 def client_wants_logprobs(body: dict[str, Any]) -> bool:
@@ -65,11 +67,11 @@ def may_ask_for_ids(body: dict[str, Any]) -> bool:
 def asking_for_ids(body: dict[str, Any]) -> dict[str, Any]:
     """The request, also asking for the id and bytes of each token it streams (cheaply:
     only the sampled token's probability after sampling), and the server's count of the
-    tokens it generated with each chunk (which shows the tokens it sent no piece for)."""
-    return {
-        **body, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True,
-        "timings_per_token": True,
-    }  # fmt: skip
+    tokens it generated with each chunk (which shows the tokens it sent no piece for).
+    Asked as llama.cpp's own `n_probs`, which its chat route passes through as it is:
+    `logprobs` is refused there with tools in a stream, `n_probs` is not, and both put
+    the same `logprobs` in each chunk."""
+    return {**body, "n_probs": 1, "post_sampling_probs": True, "timings_per_token": True}
 
 
 def first_leg_asks(
@@ -86,9 +88,11 @@ def first_leg_asks(
     shares its tokenizer and could replay them; llama-server's logprobs wherever another
     server could continue, since their bytes are what the model wrote before its parser
     trimmed or moved any of it (see Transcript.raw_output)."""
-    if servers is None or not eligible(path, body) or len(ladder) < 2:
+    if servers is None or len(ladder) < 2:
         return False, None, raw_body
     engine = servers.get(ladder[0]).engine
+    if not eligible(path, body, tools=engine == "llama-server"):
+        return False, None, raw_body
     on_vllm = engine == vllm.ENGINE
     wants = vllm.client_wants_ids(body) if on_vllm else client_wants_logprobs(body)
     may_ask = vllm.may_ask_for_ids(body) if on_vllm else may_ask_for_ids(body)

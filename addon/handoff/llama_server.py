@@ -11,7 +11,7 @@ from typing import Any
 from addon.formats.continuation import ChunkRewriter
 from addon.formats.shape import mapping
 from addon.formats.transcript import Transcript
-from addon.handoff import seen
+from addon.handoff import placing, seen
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
 
@@ -48,6 +48,11 @@ class LlamaServerTerms:
 
     def parting(self, read: Prompt, truth: Prompt) -> str | None:
         return seen.parting(read.text or "", truth.text or "")
+
+    async def placed(
+        self, chat: dict[str, Any], truth: Prompt, reasoning_open: bool
+    ) -> tuple[dict[str, Any] | None, str]:
+        return await placing.placed(self._render, chat, truth.text or "", reasoning_open)
 
     def text_leg(self, truth: Prompt) -> Leg:
         return self._native(truth.text or "", [], self._transcript.produced)

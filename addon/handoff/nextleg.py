@@ -197,8 +197,8 @@ class NextLeg:
         servers = self._servers
         if not self.asks_ids or servers is None or not self.transcript.content:
             return None
-        if self.transcript.reasoning:
-            return None  # a native completion would not split reasoning from content
+        if self.transcript.reasoning or self.body.get("tools"):
+            return None  # a native completion would not split reasoning or tool calls out
         vocabulary = self.transcript.vocabulary
         if vocabulary is None or servers.get(upstream).tokenizer != vocabulary:
             return None

@@ -1,0 +1,116 @@
+"""What the model wrote, byte for byte, whatever the primary's parser showed the client:
+real chat templates of llama.cpp (`--jinja --chat-template-file`) on real llama-servers
+behind a real proxy, an answer cut mid-stream, and what the client gets after the cut
+compared with the fallback's own continuation of the truth, asked of it directly (its
+rendering of the original request, then the primary's raw output up to the cut, on its
+native /completion).
+
+The raw output is read here as the engine gives it: each token's bytes, asked on the
+chat route with llama.cpp's `n_probs` (accepted with tools in a stream, where `logprobs`
+is refused).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from scripts.testbed.llamacppfiles import templates
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import Mitmdump
+from tests.chat_shapes import SHAPES
+from tests.streams import assert_one_clean_stream, read_stream
+from tests.test_splice import handoff_after
+
+ANSWER = 40
+CUT = 12
+SAME_BATCHES = ["--ubatch-size", "32"]  # see test_exact_replay.py
+NEMO = "mistralai-Mistral-Nemo-Instruct-2407"
+QWEN35 = "Qwen3.5-4B"
+R1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
+
+
+def pieces(server: LlamaServer, body: dict[str, Any]) -> list[bytes]:
+    """Each generated token's bytes, in order, as the server itself gives them."""
+    asked = {**body, "n_probs": 1, "post_sampling_probs": True}
+    found: list[bytes] = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=asked, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    for entry in (choice.get("logprobs") or {}).get("content") or ():
+                        found.append(bytes(entry["bytes"]))
+    return found
+
+
+def own_continuation(server: LlamaServer, body: dict[str, Any], wrote: str, left: int) -> str:
+    """What `server` writes after its rendering of `body` and `wrote`, asked directly."""
+    request = {k: v for k, v in body.items() if k != "stream"}
+    saw = httpx.post(f"{server.url}/apply-template", json=request).json()["prompt"]
+    native = {"prompt": saw + wrote, "n_predict": left, "temperature": 0, "cache_prompt": False}
+    return httpx.post(f"{server.url}/completion", json=native, timeout=60).json()["content"]
+
+
+@pytest.fixture
+def pair(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]]:
+    by_name = {template.stem: template for template in templates()}
+
+    def start(template: str) -> tuple[LlamaServer, LlamaServer, Mitmdump]:
+        args = ["--jinja", "--chat-template-file", str(by_name[template]), *SAME_BATCHES]
+        first = start_server("primary", extra_args=args)
+        second = start_server("fallback", extra_args=args)
+        return first, second, start_proxy(first.url, [second.url])
+
+    return start
+
+
+CASES = [
+    (NEMO, "tools offered", "content"),  # the tool-call parser trims the leading space
+    (QWEN35, "plain", "reasoning"),  # the reasoning parser trims it after <think>\n
+    (QWEN35, "content parts", "reasoning"),
+    (R1, "plain", "reasoning"),  # cut while the reasoning is still open
+]
+
+
+@pytest.mark.parametrize(("template", "shape", "field"), CASES)
+def test_the_fallback_goes_on_from_what_the_model_wrote(
+    pair: Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]],
+    template: str,
+    shape: str,
+    field: str,
+) -> None:
+    first, second, proxy = pair(template)
+    body = {**SHAPES[shape], "max_tokens": ANSWER, "stream": True, "temperature": 0}
+    wrote = pieces(first, body)
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and "handoff" in stream.notes[0], stream.notes
+    said = stream.segment_tokens[0]
+    raw = b"".join(wrote[:said]).decode()
+    before = stream.thoughts[0] if field == "reasoning" else stream.segments[0]
+    assert raw.lstrip() == before.lstrip()
+    expected = own_continuation(second, body, raw, ANSWER - said)
+    after = {"reasoning": stream.thoughts[1], "content": stream.segments[1]}
+    assert after.pop(field) == expected and expected
+    assert list(after.values()) == [""], "the rest stays in the field it was in"
+
+
+def test_the_chat_route_gives_each_token_with_tools_in_a_stream(
+    pair: Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]],
+) -> None:
+    """llama-server refuses `logprobs` with tools in a stream, takes `n_probs`, and takes
+    `return_tokens` on its chat route without ever sending the ids there (only its native
+    /completion does): so the pieces are asked as `n_probs`."""
+    first, _, _ = pair(NEMO)
+    body = {**SHAPES["tools offered"], "max_tokens": 4, "stream": True, "temperature": 0}
+    url = f"{first.url}/v1/chat/completions"
+    assert httpx.post(url, json={**body, "logprobs": True}).status_code == 400
+    assert len(pieces(first, body)) == 4
+    returned = httpx.post(url, json={**body, "return_tokens": True}).text
+    assert '"tokens"' not in returned and "logprobs" not in returned
