@@ -352,7 +352,9 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
     nobody` (a user that exists) makes the options' folder that user's (mitmproxy writes
     its certificate authority there) and starts both units: a client's request through
     the guard is answered by the primary. The proxy SIGKILLed is started again
-    (Restart=on-failure), and after the container reboots both units start at boot."""
+    (Restart=on-failure), and after the container reboots both units start at boot. An
+    install again while they run restarts them (their own ports are not "taken"); the
+    guard with its port taken by another program fails once and stays down."""
     try:
         ensure_daemon()
         image = systemd_image()
@@ -370,9 +372,11 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
         for here, how in mounts.items()
     ]
     name = f"spillover-systemd-{os.getpid()}"
+    # SYS_PTRACE: root on a host may read other users' /proc/<pid>/fd (which process
+    # holds a port), and so may `install` here.
     started = docker(
-        "run", "-d", "--name", name, "--cap-add", "SYS_ADMIN", "--network", "host",
-        "--cgroupns", "host", "--stop-signal", "SIGRTMIN+3", "--tmpfs", "/run",
+        "run", "-d", "--name", name, "--cap-add", "SYS_ADMIN", "--cap-add", "SYS_PTRACE",
+        "--network", "host", "--cgroupns", "host", "--stop-signal", "SIGRTMIN+3", "--tmpfs", "/run",
         "--tmpfs", "/run/lock", "--tmpfs", "/tmp", *[a for v in volumes for a in ("-v", v)],
         image, "/lib/systemd/systemd",
     )  # fmt: skip
@@ -391,12 +395,13 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
     proxy = f"http://127.0.0.1:{proxy_port}"
     try:
         wait_until(lambda: inside("systemctl", "is-system-running") in ("running", "degraded"))
-        said = docker(
+        install = [
             "exec", name, str(Path(sys.executable).parent / "spillover"), "services", "install",
             "--system", "--run-as", "nobody", "--config-dir", "/srv/spillover",
             "--primary", primary.url, "--listen", f"127.0.0.1:{listen}",
             "--proxy-port", str(proxy_port),
-        )  # fmt: skip
+        ]  # fmt: skip
+        said = docker(*install)
         assert said.returncode == 0 and "clients use" in said.stdout, said.stdout + said.stderr
         wait_until(proxy_answers)
         body = {**chat_body(8), "stream": False}
@@ -414,6 +419,13 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
         wait_until(proxy_answers)
         booted = inside("systemctl", "is-active", "spillover-proxy", "spillover-guard")
         assert booted.split() == ["active", "active"]
+        # Installed again while running: the ports its own units hold are not "taken",
+        # and the units are restarted with what was written.
+        pid = proxy_pid()
+        again = docker(*install)
+        assert again.returncode == 0 and "taken" not in again.stdout, again.stdout + again.stderr
+        wait_until(lambda: proxy_pid() not in ("0", pid))
+        wait_until(proxy_answers)
         # Its port taken by another program, the guard fails once and stays down (its
         # exit code is in RestartPreventExitStatus=) instead of restarting every second.
         inside("systemctl", "stop", "spillover-guard")

@@ -71,9 +71,10 @@ def cannot_listen(host: str, port: int, ours: Iterable[str] = ()) -> str | None:
         with socket.create_server((host, port), family=_family(host)):
             return None
     except OSError as exc:
-        holders = find_listeners(port).pids
-        if exc.errno == errno.EADDRINUSE and holders and all(_unit_of(p) in ours for p in holders):
-            return None
+        if exc.errno == errno.EADDRINUSE:
+            holders = find_listeners(port).pids
+            if holders and all(_runs_in(pid, ours) for pid in holders):
+                return None
         return listen_error(exc, host, port)
 
 
@@ -88,12 +89,12 @@ def listen_error(exc: OSError, host: str, port: int) -> str:
     return f"cannot listen on {host}:{port} ({exc.strerror})"
 
 
-def held_by(port: int, proc: Path = Path("/proc")) -> str:
+def held_by(port: int) -> str:
     """' by pid N (name), ...' for the processes listening on `port`, or why they are not
     named ('' where no process here holds it)."""
-    found = find_listeners(port, proc)
+    found = find_listeners(port)
     if found.pids:
-        return " by " + ", ".join(f"pid {pid} ({_comm(pid, proc)})" for pid in sorted(found.pids))
+        return " by " + ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(found.pids))
     if found.unreadable:
         return " by another user's process (this user cannot see which)"
     return ""
@@ -103,17 +104,18 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _comm(pid: int, proc: Path) -> str:
+def _comm(pid: int) -> str:
     try:
-        return (proc / str(pid) / "comm").read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "?"
 
 
-def _unit_of(pid: int) -> str:
-    """The systemd unit a process runs in ('' where none): the last part of its cgroup."""
+def _runs_in(pid: int, units: Iterable[str]) -> bool:
+    """Whether a process runs in one of these systemd units: the last part of its cgroup
+    (of any hierarchy, where cgroup v1 has several)."""
     try:
-        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
-        return ""
-    return cgroup.strip().rsplit("/", 1)[-1]
+        return False
+    return any(line.rsplit("/", 1)[-1] in units for line in cgroups)
