@@ -146,7 +146,7 @@ def test_a_guard_on_a_public_address_must_be_told_so() -> None:
 
 def test_a_guard_on_a_taken_port_says_who_holds_it_in_one_line() -> None:
     """No asyncio traceback, and the exit code its unit will not restart on
-    (RestartPreventExitStatus=, tests/test_services.py)."""
+    (RestartPreventExitStatus=, tests/test_systemd_units.py)."""
     with socket.create_server(("127.0.0.1", 0)) as held_port:
         port = held_port.getsockname()[1]
         refused = subprocess.run(
