@@ -104,9 +104,13 @@ def first_leg_asks(
     return asks, TOKEN_IDS if on_vllm else LOGPROBS_COUNTED, json.dumps(asked).encode()
 
 
-def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int) -> dict[str, Any]:
+def native_body(
+    body: dict[str, Any], prompt: str, ids: list[int], produced: int, pieces: bool
+) -> dict[str, Any]:
     """A native /completion request that goes on from `prompt` (the rendered chat
-    prompt) and the answer's token ids, with the chat request's sampling settings."""
+    prompt) and the answer's token ids, with the chat request's sampling settings;
+    asking for each token's piece where the client asked for logprobs or `pieces` (the
+    answer's are being kept, and taken out again before the client sees them)."""
     native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
     native["prompt"] = [prompt, *ids]
     native["stream"] = True
@@ -116,7 +120,7 @@ def native_body(body: dict[str, Any], prompt: str, ids: list[int], produced: int
         asked = positive_int(body.get("top_logprobs")) or positive_int(body.get("n_probs"))
         native["n_probs"] = asked or 1
         native["post_sampling_probs"] = bool(body.get("post_sampling_probs"))
-    else:
+    elif pieces:
         native["n_probs"] = 1
         native["post_sampling_probs"] = True
     return native

@@ -61,7 +61,8 @@ class LlamaServerTerms:
         return self._native(saw.text or "", ids, len(ids))
 
     def _native(self, prompt: str, ids: list[int], replayed: int) -> Leg:
-        body = native_body(self._original, prompt, ids, self._transcript.produced)
+        pieces = self._transcript.ids is not None  # the first leg asked for them
+        body = native_body(self._original, prompt, ids, self._transcript.produced, pieces)
         usage = mapping(self._original.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(self._model, include_usage=usage, replayed=replayed)
         return "/completion", body, NativeRewriter(chat, ChunkRewriter(self._transcript, "", False))

@@ -1,0 +1,37 @@
+"""What a continuation leg adds to the client's chunks: nothing the client did not ask
+for. Real llama-servers with Qwen3's template (whose trailing message opens a reasoning
+block the model never wrote, so the answer goes on as a text completion on the native
+/completion) behind a real proxy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scripts.testbed.llamacppfiles import templates
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.mitm import Mitmdump
+from tests.chat_shapes import SHAPES
+from tests.streams import assert_one_clean_stream, read_stream
+from tests.test_splice import handoff_after
+
+QWEN3 = "Qwen-Qwen3-0.6B"
+
+
+def test_a_text_leg_sends_no_logprobs_the_client_did_not_ask_for(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """The client set `timings_per_token` itself, so the first leg asks for no pieces
+    (nothing to take out again); the native leg must not ask for them either."""
+    template = {t.stem: t for t in templates()}[QWEN3]
+    args = ["--jinja", "--chat-template-file", str(template)]
+    first, second = (
+        start_server("primary", extra_args=args),
+        start_server("fallback", extra_args=args),
+    )
+    proxy = start_proxy(first.url, [second.url])
+    body = {**SHAPES["plain"], "max_tokens": 30, "stream": True, "temperature": 0,
+            "timings_per_token": True}  # fmt: skip
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8, hold=first))
+    assert_one_clean_stream(stream)
+    assert "replayed as text" in stream.notes[0] and stream.segments[1]
+    assert not [c for c in stream.chunks if any("logprobs" in ch for ch in c["choices"])]
