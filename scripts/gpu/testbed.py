@@ -29,6 +29,7 @@ def llama_server(
     gpu: str | None,
     ctx_size: int = 8192,
     slots: int = 2,
+    threads: int = 1,
     extra_args: Sequence[str] = (),
 ) -> Any:
     """A llama-server with every layer on the card of UUID `gpu`, or (None) on the CPU
@@ -54,8 +55,9 @@ def llama_server(
                 return super().start(timeout)
 
     server = Server(
-        model, binary=binary, ctx_size=ctx_size, slots=slots, log_dir=work, extra_args=extra_args
-    )
+        model, binary=binary, ctx_size=ctx_size, slots=slots, threads=threads, log_dir=work,
+        extra_args=extra_args,
+    )  # fmt: skip
     if gpu is not None:
         at = server.args.index("--device")
         del server.args[at : at + 2]
