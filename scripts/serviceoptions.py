@@ -94,5 +94,7 @@ def write_or_keep(
             f"services: the guard checks the proxy with the token in {token}: "
             f"add spillover_control_token: '@{token}' to {options}"
         )
-    if cards and "spillover_cards" not in kept:
+    if cards and "spillover_cards" in kept:
+        print(f"services: {options} names its own spillover_cards: kept ({cards} found here)")
+    elif cards:
         print(f"services: add this line to {options}: {cards}")

@@ -259,7 +259,7 @@ def cards_line(service_user: User | None, servers: list[str], options: Path) -> 
         how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
         print(
             f"services: the servers' processes are not {name}'s: it may not read their "
-            f"/proc/<pid>/fd to find their cards, so their cards are named for it ({how})"
+            f"/proc/<pid>/fd to find their cards (found here: {how})"
         )
     return found.line() if found.found else ""
 

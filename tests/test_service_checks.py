@@ -187,6 +187,8 @@ def test_a_system_install_names_the_cards_of_servers_its_user_cannot_see(
     entries = ",".join(f"{url}={on}" for url, on in cards.items())
     line = f'spillover_cards: "{entries}"'
     assert f"{line}\n" in options and "are not nobody's" in said, said
+    said, kept = install("nobody", primary.url, fallback.url)  # a second install keeps them
+    assert f"{line}\n" in kept and "names its own spillover_cards: kept" in said, said
 
     stopped = f"http://127.0.0.1:{free_port()}"
     said, options = install("nobody", primary.url, fallback.url, stopped)
