@@ -17,7 +17,7 @@ from scripts.parts.ports import address, cannot_listen, clash, same_socket
 
 SYSTEM_WIDE = (
     "install spillover where every user may run it (python3.12 -m venv /opt/spillover; "
-    "docs/services.md, 'A system-wide install') and run that one's `spillover services install`"
+    "docs/setup.md, 'A system-wide install') and run that one's `spillover services install`"
 )
 
 
