@@ -248,20 +248,22 @@ def cards_line(service_user: User | None, servers: list[str], options: Path) -> 
     found = servers_cards(service_user, servers)
     name = service_user.name
     if found.unknown:
-        why = "; ".join(f"{url}: {how}" for url, how in found.unknown.items())
-        print(
-            f"services: the servers' cards are not known now ({why}); unless their processes "
-            f"will be {name}'s, add this line to {options}: {found.line()} "
-            f"(CARD: one of {', '.join(found.ids) or 'the ids spillover doctor shows'})"
-        )
+        if not (options.exists() and "spillover_cards" in options.read_text()):
+            why = "; ".join(f"{url}: {how}" for url, how in found.unknown.items())
+            print(
+                f"services: the servers' cards are not known now ({why}); unless their "
+                f"processes will be {name}'s, add this line to {options}: {found.line()} "
+                f"(CARD: one of {', '.join(found.ids) or 'the ids spillover doctor shows'})"
+            )
         return ""
-    if found.found:
-        how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
-        print(
-            f"services: the servers' processes are not {name}'s: it may not read their "
-            f"/proc/<pid>/fd to find their cards (found here: {how})"
-        )
-    return found.line() if found.found else ""
+    if not found.found:
+        return ""
+    how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
+    print(
+        f"services: the servers' processes are not {name}'s: it may not read their "
+        f"/proc/<pid>/fd to find their cards (found here: {how})"
+    )
+    return found.line()
 
 
 def start(manager: Manager, units: Path, written: tuple[str, ...]) -> None:
