@@ -114,3 +114,28 @@ def test_the_chat_route_gives_each_token_with_tools_in_a_stream(
     assert len(pieces(first, body)) == 4
     returned = httpx.post(url, json={**body, "return_tokens": True}).text
     assert '"tokens"' not in returned and "logprobs" not in returned
+
+
+# Templates whose chat route cannot be asked to read what the model saw and wrote: a
+# trailing message opens a reasoning block the model never wrote (Qwen3, SmolLM3,
+# Granite 3.3), or renders the turn's end over again (Phi-3.5); with tools offered the
+# text route would hand a tool call to the client as text.
+NO_TOOLS_ROUTE = [
+    "Qwen-Qwen3-0.6B",
+    "HuggingFaceTB-SmolLM3-3B",
+    "ibm-granite-granite-3.3-2B-Instruct",
+    "microsoft-Phi-3.5-mini-instruct",
+]
+
+
+@pytest.mark.parametrize("template", NO_TOOLS_ROUTE)
+def test_tools_offered_where_no_route_reads_the_truth_end_in_band_with_the_reason(
+    pair: Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]], template: str
+) -> None:
+    first, _, proxy = pair(template)
+    body = {**SHAPES["tools offered"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
+    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    (error,) = stream.errors
+    message = error["error"]["message"]
+    assert "the model saw" in message and "would not read tool calls" in message, message
+    assert stream.segments[0] and stream.done == 0
