@@ -8,7 +8,8 @@
     spillover run --primary URL --transparent --workers 4
     spillover status [--proxy URL] [--json]
     spillover options                               (the addon's spillover_* options)
-    mitmweb -s "$(spillover addon-path)" --mode reverse:URL@8090   (the addon, by hand)
+    mitmweb -s "$(spillover addon-path)" --mode reverse:URL@127.0.0.1:8090 \\
+        --set web_port=8070                            (the addon by hand, with mitmweb's page)
     spillover doctor | watch | stress | services | guard ...   (each with --help)
 
 `run` starts mitmdump with the addon in front of the primary, so a person need not know

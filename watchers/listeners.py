@@ -35,23 +35,31 @@ def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
         try:
             fds = list((pid / "fd").iterdir())
         except PermissionError:
-            try:
-                if pid.stat().st_uid in uids:
-                    unreadable.add(int(pid.name))
-            except OSError:
-                pass
+            _not_ours(pid, uids, unreadable)
             continue
         except OSError:
             continue  # gone
         for fd in fds:
             try:
                 target = os.readlink(fd)
+            except PermissionError:  # listed, but not ours to follow (root without
+                _not_ours(pid, uids, unreadable)  # CAP_SYS_PTRACE in a container)
+                break
             except OSError:
                 continue  # closed meanwhile: one vanished descriptor must not hide the rest
             if target in inodes:
                 pids.add(int(pid.name))
                 break
     return Listeners(True, frozenset(pids), frozenset(unreadable))
+
+
+def _not_ours(pid: Path, uids: set[int], unreadable: set[int]) -> None:
+    """A process whose descriptors we may not read: noted if it runs as the socket's owner."""
+    try:
+        if pid.stat().st_uid in uids:
+            unreadable.add(int(pid.name))
+    except OSError:
+        pass
 
 
 def listening_pids(port: int, proc: Path = Path("/proc")) -> set[int]:
