@@ -35,3 +35,25 @@ def test_a_text_leg_sends_no_logprobs_the_client_did_not_ask_for(
     assert_one_clean_stream(stream)
     assert "replayed as text" in stream.notes[0] and stream.segments[1]
     assert not [c for c in stream.chunks if any("logprobs" in ch for ch in c["choices"])]
+
+
+def test_token_ids_of_the_primary_go_only_to_a_server_of_its_vocabulary(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """A `logit_bias` by token id, the primary killed mid-answer: on a fallback of the
+    same vocabulary the answer goes on; on one of another ("turns", whose ids are other
+    tokens) it ends with the reason."""
+    body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0,
+            "logit_bias": {"400": -5}}  # fmt: skip
+    for fallback, goes_on in (("fallback", True), ("turns-fallback", False)):
+        first, second = start_server("primary"), start_server(fallback)
+        proxy = start_proxy(first.url, [second.url])
+        proxy.servers_known()
+        stream = read_stream(proxy.url, body, on_chunk=lambda n, s=first: n == 8 and s.kill())
+        if goes_on:
+            assert_one_clean_stream(stream)
+            assert stream.segments[1]
+        else:
+            (error,) = stream.errors
+            message = error["error"]["message"]
+            assert "logit_bias name token ids" in message and second.url in message, message

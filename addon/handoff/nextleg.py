@@ -11,7 +11,7 @@ from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILI
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.startover import StartOverGuard
 from addon.formats.transcript import Transcript
-from addon.handoff import vllm
+from addon.handoff import vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
 from addon.handoff.exact import NativeRewriter
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
@@ -99,6 +99,8 @@ class NextLeg:
         server was proven to take one at start-up. Raises CannotContinue."""
         if (why := self._unproven_for_reasoning(upstream)) is not None:
             raise CannotContinue(why)
+        if (why := self._foreign_ids(upstream)) is not None:
+            raise CannotContinue(why)
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
                 self.transcript, prefill_of(self.body) or "", self._text_continuation(upstream),
@@ -118,6 +120,15 @@ class NextLeg:
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         return path, body, rewriter, replay
+
+    def _foreign_ids(self, upstream: Upstream) -> str | None:
+        """Why `upstream` would read the request's token ids as other tokens
+        (handoff/vocabids.py); None where it would not."""
+        if self._servers is None or not self.transcript.legs:
+            return None
+        first = Upstream(self.transcript.legs[0].server)
+        same = self._servers.same_tokenizer(first, upstream)
+        return vocabids.foreign(self.body, first.url, upstream.url, same)
 
     def _unproven(self, upstream: Upstream) -> str | None:
         """How `upstream` is known to continue where its engine cannot say what it reads
