@@ -5,11 +5,13 @@ A stand-in server (scripts/testbed/sse_source.py) streams N answers at RATE even
 each, started together; the client reads them all over raw sockets and times each event
 from the server's send stamp to its arrival. Side by side in one run: direct, plain
 mitmdump, the addon, the addon asking for token ids (a fallback with the same
-tokenizer), and the addon over worker processes behind HAProxy (`--workers`, where
-HAProxy is installed). For each: events/s delivered against asked, p50 and p99 latency
-(ms), and the proxy's CPU (its processes together, in cores).
+tokenizer: a second stand-in), and the addon over worker processes behind HAProxy
+(`--workers 2,4,8`: a row per count, where HAProxy is installed). For each: events/s
+delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
+the proxy's CPU (its processes together, in cores); then each route against plain
+mitmdump, as ratios.
 
-    .venv/bin/python -m scripts.bench.paced [--quick] [--streams 16,64,256] [--workers 2]
+    .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -80,18 +83,19 @@ def measure(
 
 @contextmanager
 def route(
-    name: str, source: SseSource, work: Path, workers: int
+    name: str, source: SseSource, twin: SseSource, work: Path
 ) -> Iterator[tuple[int, Callable[[], list[int]]]]:
-    """The port a row's client talks to, and its proxy's processes."""
+    """The port a row's client talks to, and its proxy's processes; `twin` is the
+    fallback with the same tokenizer that makes the "addon, ids" row ask for token ids."""
     if name == "direct":
         yield source.port, list
         return
-    if name == "workers":
-        pool = SpilloverWorkers(source.url, [], count=workers, log_dir=work)
+    if name.startswith("workers "):
+        pool = SpilloverWorkers(source.url, [], count=int(name.split()[1]), log_dir=work)
         with running(pool):
             yield pool.port, pool.pids
         return
-    fallbacks = [source.url] if name == "addon, ids" else []
+    fallbacks = [twin.url] if name == "addon, ids" else []
     proxy = Mitmdump(source.url, fallbacks, addon=name != "plain mitmdump", log_dir=work)
     with running(proxy):
         if fallbacks:
@@ -99,28 +103,53 @@ def route(
         yield proxy.port, lambda: [proxy.pid]
 
 
+def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]) -> list[str]:
+    """Each row absolute and over direct (the latency the route adds), then each route
+    against plain mitmdump as ratios."""
+    heads = ("asked/s", "got/s", "got %", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "cores")
+    lines = [f"{'streams':>7}  {'route':16} " + " ".join(f"{h:>8}" for h in heads)]
+    for (streams, name), (asked, got, p50, p99, cores) in rows.items():
+        direct = rows[streams, "direct"]
+        lines.append(
+            f"{streams:7}  {name:16} {asked:8.0f} {got:8.0f} {100 * got / asked:8.1f} "
+            f"{p50:8.2f} {p99:8.2f} {p50 - direct[2]:8.2f} {p99 - direct[3]:8.2f} {cores:8.2f}"
+        )
+    for streams in counts:
+        plain = rows[streams, "plain mitmdump"]
+        for name in names[2:]:
+            row = rows[streams, name]
+            lines.append(
+                f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
+                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x"
+            )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 s per row, 16 and 64 streams")
-    parser.add_argument("--streams", default="16,64,256,512", help="stream counts, comma-separated")
+    parser.add_argument("--streams", default="256,512,1024", help="stream counts, comma-separated")
     parser.add_argument("--rate", type=int, default=40, help="events per second per stream")
     parser.add_argument("--seconds", type=float, default=8, help="how long each row streams")
     parser.add_argument(
-        "--workers", type=int, default=0, help="add a row with N workers behind HAProxy"
+        "--workers", default="", help="worker counts behind HAProxy, a row each (e.g. 2,4,8)"
     )
+    parser.add_argument("--no-ids", action="store_true", help="leave out the 'addon, ids' row")
     args = parser.parse_args()
     counts = [16, 64] if args.quick else [int(n) for n in args.streams.split(",")]
     seconds = 3 if args.quick else args.seconds
-    names = ["direct", "plain mitmdump", "addon", "addon, ids"]
-    if args.workers:
-        names.append("workers")
+    names = ["direct", "plain mitmdump", "addon", *([] if args.no_ids else ["addon, ids"])]
+    names += [f"workers {n}" for n in filter(None, args.workers.split(","))]
+    # thousands of sockets: the client's, and every proxy's (they inherit the limit)
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        source = SseSource(log_dir=work)
-        with running(source):
+        source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
+        with running(source, twin):
             rows: dict[tuple[int, str], Row] = {}
             for name in names:
-                with route(name, source, work, args.workers) as (port, pids):
+                with route(name, source, twin, work) as (port, pids):
                     before = served(source)["with_ids"]
                     for streams in counts:
                         rows[streams, name] = measure(port, pids, streams, args.rate, seconds)
@@ -130,18 +159,7 @@ def main() -> None:
                             f"row {name!r} did not take its path (token ids: {asked_ids})"
                         )
     print(f"{args.rate} events/s per stream, {seconds:g} s per row, {os.cpu_count()} cores shared")
-    heads = ("asked/s", "got/s", "p50 ms", "p99 ms")
-    print(f"{'streams':>7}  {'route':16} " + " ".join(f"{h:>8}" for h in heads) + "  cores")
-    for (streams, name), (asked, got, p50, p99, cores) in rows.items():
-        print(f"{streams:7}  {name:16} {asked:8.0f} {got:8.0f} {p50:8.2f} {p99:8.2f} {cores:6.2f}")
-    for streams in counts:
-        plain = rows[streams, "plain mitmdump"]
-        for name in names[2:]:
-            row = rows[streams, name]
-            print(
-                f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
-                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x"
-            )
+    print("\n".join(report(rows, counts, names)))
 
 
 if __name__ == "__main__":
