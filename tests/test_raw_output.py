@@ -132,9 +132,11 @@ NO_TOOLS_ROUTE = [
 def test_tools_offered_where_no_route_reads_the_truth_end_in_band_with_the_reason(
     pair: Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]], template: str
 ) -> None:
+    """The primary is killed mid-answer (a pressure handoff that cannot go anywhere leaves
+    the answer where it is)."""
     first, _, proxy = pair(template)
-    body = {**SHAPES["tools offered"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    body = {**SHAPES["tools offered"], "max_tokens": 300, "stream": True, "temperature": 0}
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == CUT and first.kill())
     (error,) = stream.errors
     message = error["error"]["message"]
     assert "the model saw" in message and "would not read tool calls" in message, message

@@ -295,13 +295,15 @@ def test_a_native_continuation_keeps_the_sampling_settings_and_counts_down() -> 
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
         "temperature": 0.3, "seed": 7, "stop": ["\n"], "tools": None, "top_logprobs": 3,
     }  # fmt: skip
-    native = native_body(body, "<prompt>", [4, 5, 6], produced=3)
+    native = native_body(body, "<prompt>", [4, 5, 6], produced=3, pieces=True)
     assert native["prompt"] == ["<prompt>", 4, 5, 6] and native["n_predict"] == 47
     assert native["temperature"] == 0.3 and native["seed"] == 7 and native["stop"] == ["\n"]
     assert "messages" not in native and "max_tokens" not in native
     assert native["n_probs"] == 1 and native["post_sampling_probs"] is True
-    asked = native_body({**body, "logprobs": True}, "<prompt>", [4], produced=1)
+    asked = native_body({**body, "logprobs": True}, "<prompt>", [4], produced=1, pieces=False)
     assert asked["n_probs"] == 3 and asked["post_sampling_probs"] is False
+    # Pieces neither kept nor asked for by the client: none asked of the server.
+    assert "n_probs" not in native_body(body, "<prompt>", [], produced=1, pieces=False)
 
 
 CHUNKS_WITH_PIECES = [
@@ -365,11 +367,24 @@ def test_tokens_the_client_never_saw_leave_the_raw_output_unknown() -> None:
     transcript.begin_leg("http://primary")
     transcript.record(_counted("Hi", 5, "Hi", 4))  # e.g. an empty reasoning block before it
     assert transcript.raw_lost and transcript.unseen == 3 and transcript.raw_output() is None
-    # With stop strings the server holds text that may start one, and sends it later.
-    held = Transcript(holds_stops=True)
+    # With stop strings the server holds text that may start one, and sends it later
+    # (as llama-server sent " three model" for the stop " three xyz", one id).
+    held = Transcript(stops=(" three xyz",))
     held.begin_leg("http://primary")
-    held.record(_counted("Hi there", 5, "Hi there", 3))
-    assert not held.raw_lost and held.raw_output() == "Hi there" and held.produced == 3
+    held.record(_counted(" three model", 5, " three model", 2))
+    assert not held.raw_lost and held.raw_output() == " three model" and held.produced == 2
+
+
+def test_hidden_markers_are_not_excused_by_what_follows_them() -> None:
+    """Qwen3 with /no_think writes `<think>`, `\n\n`, `</think>`, `\n\n` (four tokens its
+    parser shows in no chunk) and then 你好 in one piece: two characters of three bytes
+    do not explain the gap (only a character's own earlier byte tokens would), nor do
+    stop strings the piece could not have started."""
+    for stops in ((), ("\n\nUser:",)):
+        transcript = Transcript(stops=stops)
+        transcript.begin_leg("http://primary")
+        transcript.record(_counted("你好", 5, "你好", 5))
+        assert transcript.raw_lost and transcript.raw_output() is None, stops
 
 
 def test_a_parser_trimmed_space_is_in_the_raw_output() -> None:

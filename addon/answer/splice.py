@@ -24,7 +24,7 @@ from addon.answer.pump import Pump
 from addon.answer.resume import Resume
 from addon.answer.stillreading import still_reading
 from addon.formats.dialect import Dialect, Rewriter
-from addon.formats.transcript import Transcript
+from addon.formats.transcript import Transcript, stop_strings
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
 from addon.handoff.nextleg import NextLeg, rerouted
@@ -75,7 +75,7 @@ class Splice:
         self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
             path, body, raw_body, self.ladder, servers if fleet.exact else None
         )
-        self.transcript = Transcript(holds_stops=bool(body.get("stop")))
+        self.transcript = Transcript(stops=stop_strings(body))
         self.handoffs: list[Handoff] = []
         self.streaming = dialect.streaming(body)
         self._next = NextLeg(path, dialect, body, self.transcript, servers, self.asks_ids)

@@ -55,9 +55,9 @@ class Transcript:
     raw_whole: bool = True
     counted: bool = False
     unseen: int = 0  # tokens of gaps no character explains: what the model wrote is lost
-    # The request has stop strings: the server holds text that may start one and sends
-    # it later with the next token's piece (a gap whose bytes all arrive).
-    holds_stops: bool = False
+    # The request's stop strings: the server holds text that may start one and sends it
+    # later with the next token's piece (a gap whose bytes all arrive).
+    stops: tuple[str, ...] = ()
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
     _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
@@ -211,9 +211,26 @@ class Transcript:
         if gap <= 0:
             return
         self.ids = None
-        text = b"".join(data for _, data in pieces or ()).decode(errors="ignore")
-        if not self.holds_stops and gap > sum(len(char.encode()) - 1 for char in text):
+        if gap > self._hideable(b"".join(data for _, data in pieces or ())):
             self.unseen += gap
+
+    def _hideable(self, data: bytes) -> int:
+        """How many held tokens a chunk's piece bytes `data` can account for: the earlier
+        byte tokens of its first character (held until the character is whole, they
+        arrive with its last token's piece), or, where the request has stop strings,
+        text held while it could start one (it then holds a stop's first character).
+        Any other gap is text the client never saw (a marker the parser kept)."""
+        text = data.decode(errors="ignore")
+        if any(stop[0] in text for stop in self.stops if stop):
+            return len(data) - 1  # each held token had a byte at least
+        return len(text[:1].encode()) - 1
+
+
+def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    """The request's stop strings (`stop`: one, or a list)."""
+    stop = body.get("stop")
+    found = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    return tuple(text for text in found if isinstance(text, str) and text)
 
 
 def server_count(chunk: dict[str, Any]) -> int | None:
