@@ -150,7 +150,9 @@ def continuation_of(url: str, info: ServerInfo | str) -> str:
         if info.continues
         else "continues no answer that sent text"
     )
-    return f"{OK if info.continues else MISSING}{url}: {info.engine}; {said}: {info.continues_why}"
+    routes = f"; vLLM's own routes: {info.own_routes}" if info.own_routes else ""
+    mark = OK if info.continues else MISSING
+    return f"{mark}{url}: {info.engine}; {said}: {info.continues_why}{routes}"
 
 
 async def fingerprint_of(url: str, slot_dir: Path) -> Fingerprint | str:

@@ -60,9 +60,10 @@ def engine(info: dict[str, Any]) -> str:
     """Which engine a server is, and whether (and how) it continues an answer."""
     if not info.get("asked"):
         return "not asked yet"
+    routes = f" (its own routes: {info['own_routes']})" if info.get("own_routes") else ""
     if info.get("continues"):
-        return f"{info.get('engine')}, continues by {info.get('continues_by')}"
-    return f"{info.get('engine')}, continues no answer that sent text"
+        return f"{info.get('engine')}{routes}, continues by {info.get('continues_by')}"
+    return f"{info.get('engine')}{routes}, continues no answer that sent text"
 
 
 def answer_lines(live: list[dict[str, Any]]) -> list[str]:

@@ -85,7 +85,7 @@ def record(stream: RawStream, line: str) -> None:
             if text := delta.get("content") or choice.get("text"):
                 stream.segments[-1] += text
                 stream.pieces[-1].append(text)
-            if thought := delta.get("reasoning_content"):
+            if thought := delta.get("reasoning_content") or delta.get("reasoning"):
                 stream.thoughts[-1] += thought
             if text or thought:
                 stream.segment_tokens[-1] += 1

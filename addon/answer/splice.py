@@ -23,7 +23,7 @@ from addon.answer.pace import Pace
 from addon.answer.pump import Pump
 from addon.answer.resume import Resume
 from addon.answer.stillreading import still_reading
-from addon.formats.dialect import Dialect, Rewriter
+from addon.formats.dialect import Adapter, Dialect, Rewriter
 from addon.formats.transcript import Transcript, stop_strings
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
@@ -416,7 +416,10 @@ class Splice:
                 flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
                 may_move=self._may_move,
             )  # fmt: skip
-            failure = await pump.run(response.body(), upstream.url)
+            stream = response.body()
+            if isinstance(rewriter, Adapter):
+                stream = rewriter.adapt(stream)
+            failure = await pump.run(stream, upstream.url)
             if failure is not None and pump.closed:
                 self._fleet.mark_down(upstream, "closed the stream mid-answer")
             return failure

@@ -13,7 +13,7 @@ from typing import Any
 
 from addon.formats.dialect import EchoStrip, prefilled, with_fewer_tokens
 from addon.formats.shape import constraint_of, positive_int, text_of
-from addon.formats.transcript import Transcript
+from addon.formats.transcript import REASONING_FIELDS, Transcript
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
@@ -48,6 +48,11 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
             messages[-1]["reasoning_content"] = reasoning
         body["messages"] = messages
     return body
+
+
+def thought_field(delta: dict[str, Any]) -> str | None:
+    """Which of REASONING_FIELDS a delta carries reasoning in (None: none)."""
+    return next((name for name in REASONING_FIELDS if delta.get(name)), None)
 
 
 def _assistant(text: str) -> dict[str, Any]:
@@ -110,11 +115,12 @@ class ChunkRewriter:
 
     def __init__(self, transcript: Transcript, prefill: str, echo: bool | None) -> None:
         self._transcript = transcript
-        self._echo = {
-            "content": EchoStrip(prefill, echo),
-            "reasoning_content": EchoStrip(transcript.reasoning_text, echo),
-        }
+        self._echo = {"content": EchoStrip(prefill, echo)}
+        self._thought = EchoStrip(transcript.reasoning_text, echo)
         self._reasoning_done = bool(transcript.reasoning and transcript.content)
+        # Reasoning goes on in the field the client has been reading it in (llama-server
+        # and vLLM name it differently).
+        self._field = transcript.reasoning_field
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None when nothing is left of it."""
@@ -134,19 +140,28 @@ class ChunkRewriter:
                 del delta["role"]
                 if delta.get("content") is None:
                     delta.pop("content", None)
-            if self._reasoning_done:
-                delta.pop("reasoning_content", None)
-            for part in ("content", "reasoning_content"):
-                if delta.get(part):
-                    delta[part] = self._echo[part](delta[part])
-                    if not delta[part]:
-                        del delta[part]
+            thought = self._thought_of(delta)
+            if thought and not self._reasoning_done and (thought := self._thought(thought)):
+                delta[self._field or "reasoning_content"] = thought
+            if delta.get("content"):
+                delta["content"] = self._echo["content"](delta["content"])
+                if not delta["content"]:
+                    del delta["content"]
             if delta or choice.get("text") or choice.get("finish_reason") is not None:
                 keep = True
         if chunk.get("usage"):
             chunk["usage"] = self._whole_answer_usage(chunk["usage"])
             keep = True
         return chunk if keep else None
+
+    def _thought_of(self, delta: dict[str, Any]) -> str | None:
+        """The delta's reasoning, taken out of whichever field its server wrote it in."""
+        field = thought_field(delta)
+        if field is None:
+            return None
+        if self._field is None:
+            self._field = field
+        return delta.pop(field)
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Usage for the whole answer: every leg's completion tokens, and the prompt the

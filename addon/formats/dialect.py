@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from addon.formats.shape import positive_int, text_of
 
@@ -87,6 +87,14 @@ class Rewriter(Protocol):
     """Turns a continuation leg's payloads into the client's stream."""
 
     def rewrite(self, payload: Any) -> Any: ...
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """A rewriter whose leg's body is turned into the dialect's stream first (vLLM's
+    generate chunks, derendered into chat chunks: handoff/vllm_generate.py)."""
+
+    def adapt(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]: ...
 
 
 class Dialect(Protocol):

@@ -17,6 +17,9 @@ LOGPROBS = "logprobs"  # llama-server's logprobs, with each token's id
 # llama-server's logprobs and, in every chunk but the last, `timings` (`timings_per_token`,
 # whose `predicted_n` is the server's own count of the tokens it generated).
 LOGPROBS_COUNTED = "logprobs+timings"
+# Where a chat chunk's delta carries reasoning: llama-server's `reasoning_content`, and
+# vLLM's `reasoning` (its name since vLLM 0.32, the old one removed).
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 @dataclass
@@ -31,7 +34,9 @@ class LegUsage:
 class Transcript:
     role_sent: bool = False
     content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)  # reasoning_content deltas
+    reasoning: list[str] = field(default_factory=list)  # reasoning deltas
+    # The field the client reads reasoning in (REASONING_FIELDS: llama-server's, vLLM's).
+    reasoning_field: str | None = None
     produced: int = 0  # tokens delivered: one per delta, or as their ids count them
     id: str | None = None
     created: int | None = None
@@ -113,7 +118,8 @@ class Transcript:
     def exact_ids(self) -> list[int] | None:
         """The ids of the delivered answer, when they are known and spell exactly the
         delivered text (a token whose text a server held back fails this: fail closed)."""
-        if self.ids is None or self.ids_ahead or bytes(self.id_bytes) != self.text.encode():
+        said = (self.reasoning_text + self.text).encode()  # vLLM's reasoning comes first
+        if self.ids is None or self.ids_ahead or bytes(self.id_bytes) != said:
             return None
         return self.ids
 
@@ -123,11 +129,12 @@ class Transcript:
         leg = self.legs[-1]
         if text and self.reasoning and not self.content:
             # The tag that closed the reasoning: its bytes came in no piece, so what the
-            # model wrote is not known byte for byte past here.
+            # model wrote is not known byte for byte past here. It was a token too, with
+            # no delta of its own (vLLM sends its id alone: counted with it).
             self.raw_whole = False
-            # It was a token too, with no delta of its own.
-            self.produced += 1
-            leg.completion_tokens += 1
+            if not self.ids_ahead:
+                self.produced += 1
+                leg.completion_tokens += 1
         if text:
             self.content.append(text)
         if thought:
@@ -157,11 +164,19 @@ class Transcript:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 self.role_sent = True
-            self.add(delta.get("content") or choice.get("text"), delta.get("reasoning_content"))
+            self.add(delta.get("content") or choice.get("text"), self._thought(delta))
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
         pieces = self._record_ids(chunk, pieces, self.produced - counted)
         self._recount(pieces, server_count(chunk) if made is None else made)
+
+    def _thought(self, delta: dict[str, Any]) -> str | None:
+        """The delta's reasoning, in whichever field its server writes it."""
+        for name in REASONING_FIELDS:
+            if thought := delta.get(name):
+                self.reasoning_field = self.reasoning_field or name
+                return thought
+        return None
 
     def _record_ids(
         self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int
@@ -180,7 +195,8 @@ class Transcript:
             self.raw += data
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
         # behind or holds a token's text back, llama-server's when it held text back (half
-        # of a character, the start of a stop string). Its ids count them.
+        # of a character, the start of a stop string). Its ids count them, and the marker
+        # that closed the reasoning, which vLLM sends as ids with an empty delta.
         if (more := len(pieces) - counted) > 0:
             self.produced += more
             self.legs[-1].completion_tokens += more
@@ -243,7 +259,7 @@ def server_count(chunk: dict[str, Any]) -> int | None:
 
 def _said(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content"))
+    return bool(delta.get("content") or any(delta.get(name) for name in REASONING_FIELDS))
 
 
 def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] | None:
@@ -325,7 +341,9 @@ def _cut(text: str, key: str) -> str:
 
 
 def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
-    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    thought = "".join(delta.get(name) or "" for name in REASONING_FIELDS)
+    text = thought + (delta.get("content") or choice.get("text") or "")
     pieces: list[Piece | None] = []
     for index, token in enumerate(token_ids):
         data = text.encode() if index == 0 else b""

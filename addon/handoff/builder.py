@@ -97,6 +97,17 @@ class Places(Protocol):
         ...
 
 
+@runtime_checkable
+class Parses(Protocol):
+    """An engine that reads a prompt of ids with its own chat parsers, reasoning and
+    tool calls included (vLLM's own routes: handoff/vllm_generate.py)."""
+
+    def parsed_leg(self, truth: Prompt) -> Leg | None:
+        """The leg that goes on from exactly `truth`, parsed as its chat route parses
+        (None where it cannot)."""
+        ...
+
+
 @dataclass
 class Answer:
     """The answer being continued, as the builder needs it."""
@@ -129,6 +140,8 @@ async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[L
     if transcript.raw_lost:
         raise CannotContinue(UNSEEN.format(transcript.unseen))
     truth = await terms.truth(saw, wrote.text)
+    if isinstance(terms, Parses) and (leg := terms.parsed_leg(truth)) is not None:
+        return leg, "text"
     if isinstance(terms, Places):
         reasoning_open = bool(transcript.reasoning) and not transcript.content
         chat, why = await terms.placed(answer.chat, truth, reasoning_open)

@@ -84,20 +84,21 @@ def first_leg_asks(
     """Whether the first leg asks for its tokens' pieces, which of them are taken out
     again before the client sees them (TOKEN_IDS, LOGPROBS or LOGPROBS_COUNTED, the ones
     it did not ask for itself; None), and the first leg's request body. Asked in the
-    first server's engine's own terms: vLLM's ids, where another server on the ladder
-    shares its tokenizer and could replay them; llama-server's logprobs wherever another
-    server could continue, since their bytes are what the model wrote before its parser
-    trimmed or moved any of it (see Transcript.raw_output)."""
+    first server's engine's own terms, wherever another server could continue: vLLM's
+    ids (what it generated, marker tokens its parser hid included: replayed where a
+    server shares its tokenizer, counted in the budget everywhere), llama-server's
+    logprobs, since their bytes are what the model wrote before its parser trimmed or
+    moved any of it (see Transcript.raw_output)."""
     if servers is None or len(ladder) < 2:
         return False, None, raw_body
     engine = servers.get(ladder[0]).engine
-    if not eligible(path, body, tools=engine == "llama-server"):
+    if not eligible(path, body, tools=engine in ("llama-server", vllm.ENGINE)):
         return False, None, raw_body
     on_vllm = engine == vllm.ENGINE
     wants = vllm.client_wants_ids(body) if on_vllm else client_wants_logprobs(body)
     may_ask = vllm.may_ask_for_ids(body) if on_vllm else may_ask_for_ids(body)
     shared = any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
-    asks = (wants or may_ask) and (shared or engine == "llama-server")
+    asks = (wants or may_ask) and (shared or engine in ("llama-server", vllm.ENGINE))
     if not asks or wants:
         return asks, None, raw_body
     asked = vllm.asking_for_ids(body) if on_vllm else asking_for_ids(body)

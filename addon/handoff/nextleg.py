@@ -17,14 +17,23 @@ from addon.handoff.exact import NativeRewriter
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
+from addon.handoff.sampling import vllm_differs
 from addon.handoff.vllm import VllmTerms
+from addon.servers import vllm_routes
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import RENDERS_ON_ASKING
+from addon.servers.info import ServerInfo
 from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
 
 LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
 UNPROVEN = {"behaviour": "proven by its behaviour only", "declared": "declared, not proven"}
+
+
+def parses(info: ServerInfo | None) -> bool:
+    """Whether the server reads a prompt of ids with its own chat parsers (vLLM's own
+    routes): reasoning and tool calls then go on there from the truth itself."""
+    return info is not None and info.own_routes == vllm_routes.ON
 
 
 def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
@@ -101,6 +110,8 @@ class NextLeg:
             raise CannotContinue(why)
         if (why := self._foreign_ids(upstream)) is not None:
             raise CannotContinue(why)
+        if (why := self._sampled_otherwise(upstream)) is not None:
+            raise CannotContinue(f"{upstream.url}: {why}")
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
                 self.transcript, prefill_of(self.body) or "", self._text_continuation(upstream),
@@ -120,6 +131,17 @@ class NextLeg:
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         return path, body, rewriter, replay
+
+    def _sampled_otherwise(self, upstream: Upstream) -> str | None:
+        """Why a vLLM `upstream` would sample the rest otherwise (handoff/sampling.py)."""
+        servers, transcript = self._servers, self.transcript
+        if servers is None or servers.get(upstream).engine != vllm.ENGINE:
+            return None
+        if not (transcript.content or transcript.reasoning):
+            return None
+        first = transcript.legs[0].server
+        engine = next((i.engine for u, i in servers.info.items() if u.url == first), None)
+        return vllm_differs(self.body, transcript.produced, engine)
 
     def _foreign_ids(self, upstream: Upstream) -> str | None:
         """Why `upstream` would read the request's token ids as other tokens
@@ -157,7 +179,7 @@ class NextLeg:
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
             return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
-                             info.slot_context)  # fmt: skip
+                             info.slot_context, parses(info))  # fmt: skip
         if info.continues_by == RENDERED.name and (template := servers.templates.get(upstream)):
             continued = self._text_continuation(upstream)
             return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript)
@@ -183,7 +205,7 @@ class NextLeg:
                 f"{upstream.url} is {UNPROVEN[proof]}, on plain answers: where this answer's "
                 "reasoning goes there is not known"
             )
-        if way in LLAMA_SERVER_WAYS:
+        if way in LLAMA_SERVER_WAYS or parses(info):
             return None
         return (
             f"{upstream.url} continues by {way}, seen to go on with plain answers only: "
@@ -206,9 +228,12 @@ class NextLeg:
         they are known and `upstream` reads them as the servers that made them meant them
         (one vocabulary, the transcript's)."""
         servers = self._servers
-        if not self.asks_ids or servers is None or not self.transcript.content:
+        said = self.transcript.content or self.transcript.reasoning
+        if not self.asks_ids or servers is None or not said:
             return None
-        if self.transcript.reasoning or self.body.get("tools"):
+        if (self.transcript.reasoning or self.body.get("tools")) and not parses(
+            servers.get(upstream)
+        ):
             return None  # a native completion would not split reasoning or tool calls out
         vocabulary = self.transcript.vocabulary
         if vocabulary is None or servers.get(upstream).tokenizer != vocabulary:

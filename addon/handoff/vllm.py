@@ -20,10 +20,14 @@ from addon.formats.rendering import parting_at
 from addon.formats.transcript import Transcript
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
+from addon.handoff.vllm_generate import Derendered, generate_body
 from addon.servers.engines import CHAT_RENDERING
 from addon.servers.prompts import Ask, NotRendered, rendered
+from addon.servers.vllm_routes import GENERATE, RENDER
 
 ENGINE = "vllm"
+# Chat request fields its chat route renders and its `/tokenize` does not (it drops them).
+NOT_TOKENIZED = ("documents", "reasoning_effort")
 SHOWN = 4  # ids shown on each side of where two prompts part
 
 
@@ -64,17 +68,29 @@ class VllmTerms:
         original: dict[str, Any],
         transcript: Transcript,
         context: int | None,
+        routes: bool = False,
     ) -> None:
         """`model`: the name it serves its model by; `context`: its tokens per request,
-        where known (a text completion is not sent without it)."""
+        where known (a text completion is not sent without it); `routes`: it serves its
+        own render, generate and derender routes (servers/vllm_routes.py)."""
         self.url = url
         self._ask = ask
         self._named = {"model": model} if model else {}
         self._original = original
         self._transcript = transcript
         self._context = context
+        # Its render of the original request, where it serves its own routes (else None).
+        self._rendered: dict[str, Any] | None = {} if routes else None
 
     async def saw(self) -> Prompt:
+        if self._rendered is not None:
+            self._rendered = await self._asked(RENDER, {**self._original, **self._named})
+            return Prompt(ids=tuple(_ids(self._rendered, "token_ids")))
+        if unrendered := [name for name in NOT_TOKENIZED if self._original.get(name)]:
+            raise NotRendered(
+                f"{self.url}'s /tokenize does not render {' or '.join(unrendered)} as its chat "
+                "route does (its render route would: vLLM 0.32 and later, --enable-scale-out)"
+            )
         opened = {**self._original, "add_generation_prompt": True}
         return Prompt(ids=tuple(await self._chat_ids(opened)))
 
@@ -108,7 +124,26 @@ class VllmTerms:
         return self._completion(list(truth.ids or ()))
 
     def ids_leg(self, saw: Prompt, ids: list[int]) -> Leg | None:
-        return self._completion([*(saw.ids or ()), *ids])
+        prompt = [*(saw.ids or ()), *ids]
+        return self._generated(prompt) if self._rendered else self._completion(prompt)
+
+    def parsed_leg(self, truth: Prompt) -> Leg | None:
+        """The truth's ids on its own routes, read by its own parsers (None without them)."""
+        return self._generated(list(truth.ids or ())) if self._rendered else None
+
+    def _generated(self, prompt: list[int]) -> Leg | None:
+        if self._context is None or not self._rendered:
+            return None
+        limit = token_limit(self._original)
+        left = self._context - len(prompt) if limit is None else limit - self._transcript.produced
+        body = generate_body(self._rendered, prompt, max(1, left))
+        plain = ChunkRewriter(self._transcript, "", False)
+        original = {**self._original, **self._named}
+        return (
+            GENERATE,
+            body,
+            Derendered(self._ask, self._named.get("model"), original, prompt, plain),
+        )
 
     def _completion(self, prompt: list[int]) -> Leg | None:
         if self._context is None:
@@ -129,8 +164,8 @@ class VllmTerms:
         return await rendered(self._ask, self.url, path, body)
 
 
-def _ids(answer: Any) -> list[int]:
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+def _ids(answer: Any, name: str = "tokens") -> list[int]:
+    tokens = answer.get(name) if isinstance(answer, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise NotRendered(f"no token ids in its tokenize answer: {answer!r:.200}")
+        raise NotRendered(f"no token ids in its answer: {answer!r:.200}")
     return tokens

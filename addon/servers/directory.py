@@ -39,6 +39,7 @@ from addon.servers.identity import identity_of
 from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.prompts import PromptQuestions
 from addon.servers.upstream import Upstream
+from addon.servers.vllm_routes import own_routes
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,11 @@ class ServerDirectory(PromptQuestions):
             info.tokenizer = await self._tokenizer(upstream, info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             unanswered(upstream, info, "/tokenize", exc)
+        if info.engine == "vllm":
+            try:
+                info.own_routes = await own_routes(self.asker(upstream), info.model)
+            except (httpx.HTTPError, ValueError) as exc:
+                info.own_routes = f"not asked: {exc!r}"
         if generate and info.echoes_prefill is None:
             try:
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)

@@ -60,7 +60,7 @@ def context_length(models: Any) -> int | None:
 
 
 # The fields of a chat request that change how vLLM's `/tokenize` renders its messages.
-CHAT_RENDERING = ("messages", "add_generation_prompt", "continue_final_message",
+CHAT_RENDERING = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                   "chat_template_kwargs", "tools")  # fmt: skip
 
 

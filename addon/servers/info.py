@@ -50,6 +50,9 @@ class ServerInfo:
     template_from: str | None = None  # where its chat template was read (or why not)
     slot_context: int | None = None
     tokenizer: str | None = None
+    # vLLM's own render, generate and derender routes: whether it serves them
+    # (servers/vllm_routes.py).
+    own_routes: str | None = None
     model: str | None = None
     identity: str | None = None  # what it said it runs when this was learnt (identity.py)
     # Questions it did not answer: {path: "why; what that turns off"}.

@@ -22,7 +22,7 @@ defaults
     timeout server 300s
 frontend relay
     bind 127.0.0.1:{port}
-    acl openai path {routes}
+    acl openai {match} {routes}
     http-request return status 404 content-type text/plain string "not found" unless openai
     default_backend server
 backend server
@@ -34,13 +34,17 @@ class Relay(ManagedProcess):
     name = "relay"
     health_path = "/v1/models"  # (llama-cpp-python has no /health)
 
-    def __init__(self, target: str, log_dir: Path | None = None) -> None:
+    def __init__(self, target: str, log_dir: Path | None = None, every_route: bool = False) -> None:
+        """`every_route`: let every route through (the server under a second address)."""
         super().__init__(None, log_dir)
         self.target = urlsplit(target)
+        self.every_route = every_route
         self.config = self.log_path.with_suffix(".cfg")
 
     def argv(self) -> list[str]:
         address = f"{self.target.hostname}:{self.target.port}"
-        routes = " ".join(OPENAI_ROUTES)
-        self.config.write_text(CONFIG.format(port=self.port, routes=routes, address=address))
+        routes = "/" if self.every_route else " ".join(OPENAI_ROUTES)
+        match = "path_beg" if self.every_route else "path"
+        config = CONFIG.format(port=self.port, match=match, routes=routes, address=address)
+        self.config.write_text(config)
         return [haproxy_binary(), "-db", "-f", str(self.config)]

@@ -138,10 +138,13 @@ class VllmServer(ManagedProcess):
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, *, max_model_len: int = 4096, log_dir=None) -> None:
+    def __init__(
+        self, model_dir: Path, *, max_model_len: int = 4096, log_dir=None, extra_args=()
+    ) -> None:
         super().__init__(None, log_dir)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
+        self.extra_args = list(extra_args)
 
     def argv(self) -> list[str]:
         return [
@@ -155,6 +158,7 @@ class VllmServer(ManagedProcess):
             # Lets a test render with any template in a request (tests/test_vllm.py runs
             # every template llama.cpp ships through one server).
             "--trust-request-chat-template",
+            *self.extra_args,
         ]  # fmt: skip
 
     def wait_healthy(self, timeout: float = 30.0) -> None:

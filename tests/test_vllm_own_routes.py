@@ -1,0 +1,141 @@
+"""A real vLLM (its CPU build) that thinks aloud: served with a reasoning parser
+(`deepseek_r1`) and a template whose generation prompt opens `<think>`, so everything the
+tiny model writes is reasoning until it writes `</think>` (asked for with a logit bias on
+that token: the continuation is asked with the same bias, so it is still greedy on both
+sides), and with vLLM's own routes on (`--enable-scale-out`: render, generate, derender).
+
+vLLM streams its reasoning as `delta.reasoning`. The answer is cut mid-reasoning, or after
+the reasoning closed, and goes on on a second vLLM of the same tokenizer (the same server
+behind HAProxy: a second process would run the same weights the same way) from its
+token ids, through vLLM's own generate and derender: what the client reads is vLLM's own
+answer to the request, asked of it directly, reasoning and content apart as its parser
+splits them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from addon.servers.vllm_routes import ON
+from scripts.testbed.prompts import chat_body
+from scripts.testbed.relay import Relay
+from scripts.testbed.tinymodels import reasoning_template
+from scripts.testbed.vllmserver import (
+    SERVED_NAME,
+    VllmServer,
+    VllmUnavailable,
+    ensure_usable,
+    hf_copy,
+)
+from tests.streams import RawStream, assert_one_clean_stream, read_stream
+
+pytestmark = pytest.mark.timeout(420)
+LONG = 300
+# `</think>` made likely enough that this question's answer closes its reasoning at its
+# 29th token (and writes it again now and then in its content).
+CLOSES_REASONING = {
+    "messages": [{"role": "user", "content": "Tell me about rivers."}],
+    "logit_bias": {"1289": 17},
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_vllm(models: dict[str, Path], server_logs: Path, tmp_path_factory) -> Iterator[str]:
+    try:
+        ensure_usable()
+    except VllmUnavailable as why:
+        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    template = reasoning_template(tmp_path_factory.mktemp("template"))
+    flags = ["--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]
+    server = VllmServer(
+        hf_copy(models["fallback"]), max_model_len=1024, log_dir=server_logs,
+        extra_args=[*flags, "--enable-scale-out"],
+    ).start(timeout=300)  # fmt: skip
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def twin(thinking_vllm: str, server_logs: Path) -> Iterator[str]:
+    """The same vLLM under a second address (HAProxy, every route let through)."""
+    relay = Relay(thinking_vllm, log_dir=server_logs, every_route=True).start()
+    yield relay.url
+    relay.stop()
+
+
+def direct(url: str, body: dict) -> dict:
+    """vLLM's own whole answer to `body`, asked of it directly."""
+    asked = {**body, "stream": False}
+    return httpx.post(f"{url}/v1/chat/completions", json=asked, timeout=300).json()
+
+
+def cut_at(proxy_url: str, body: dict, chunk: int) -> RawStream:
+    stream = read_stream(
+        proxy_url, body, timeout=300,
+        on_chunk=lambda n: n == chunk and httpx.post(f"{proxy_url}/spillover/handoff"),
+    )  # fmt: skip
+    assert_one_clean_stream(stream)
+    return stream
+
+
+def test_vllm_says_it_serves_its_own_routes(start_proxy, thinking_vllm: str, twin: str) -> None:
+    proxy = start_proxy(thinking_vllm, [twin])
+    known = proxy.servers_known()
+    assert known[twin]["own_routes"] == ON
+    assert known[thinking_vllm]["own_routes"] == ON
+
+
+def test_a_cut_inside_the_reasoning_goes_on_inside_it(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """Cut while the model thinks: the twin goes on inside the same reasoning (never a
+    second reasoning from a new start), and the client reads vLLM's own reasoning whole,
+    in vLLM's field."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME)
+    stream = cut_at(proxy.url, body, 10)
+    (note,) = stream.notes
+    assert "replayed as token ids" in note and "after 0 tokens" not in note
+    assert all(stream.thoughts) and not "".join(stream.segments)
+    whole = direct(thinking_vllm, body)["choices"][0]["message"]
+    assert "".join(stream.thoughts) == whole["reasoning"]
+    fields = {k for c in stream.chunks for ch in c["choices"] for k in ch.get("delta") or {}}
+    assert "reasoning" in fields and "reasoning_content" not in fields
+
+
+def test_a_cut_after_the_reasoning_closed_goes_on_as_content(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """Cut after `</think>`: the twin's parser reads the reasoning closed in its prompt and
+    goes on with content; the whole answer is vLLM's own, to its last token (the budget
+    counted the marker token vLLM sent as an id alone, once)."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, **CLOSES_REASONING)
+    stream = cut_at(proxy.url, body, 40)
+    (note,) = stream.notes
+    assert "replayed as token ids" in note
+    before, after = stream.segments
+    assert stream.thoughts[0] and before and after and not stream.thoughts[1]
+    message = direct(thinking_vllm, body)["choices"][0]["message"]
+    assert (stream.thoughts[0], before + after) == (message["reasoning"], message["content"])
+
+
+def test_a_penalty_vllm_would_start_over_is_not_carried(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """vLLM counts presence_penalty over the tokens it generated itself: a continuation
+    would start it over, so the answer ends in-band saying so."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, presence_penalty=0.5)
+    stream = read_stream(
+        proxy.url, body, timeout=300,
+        on_chunk=lambda n: n == 10 and httpx.post(f"{proxy.url}/spillover/handoff"),
+    )  # fmt: skip
+    said = " ".join(stream.notes) + str(stream.errors)
+    assert "presence_penalty" in said and "start over" in said
