@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from scripts.gpu.hog import Hog
-from scripts.gpu.loop import Settings, Step, prepare, repeat
+from scripts.gpu.loop import Pressure, Runs, Settings, Step, prepare, repeat
 from scripts.gpu.pauses import NAMES, Setup, measure, options, table
 from scripts.gpu.realsize import (
     ANSWER,
     CUT,
     LENGTHS,
+    Calibration,
     Loader,
     calibrate,
     decode_rate,
@@ -64,16 +65,16 @@ def run(
         models["1b"], args.fallback_binary or binary, work, gpu=None, ctx_size=8192,
         threads=threads,
     )  # fmt: skip
-    hog = Hog.cuda(gpu.index, gpu.uuid, work / "hog.log")  # its context is part of the rest
     options_b = [f"spillover_dwell_s={args.dwell_s}"]
     with ProofBed(primary, [small, cpu], work, options_b) as bed:
+        hog = Hog.cuda(gpu.index, gpu.uuid, work / "hog.log")  # its context is part of the rest
         try:
             start_all([twin], timeout=180)
             pauses_end = min(end - args.pressure_s, time.monotonic() + args.pauses_s)
             phase_pauses(summary, primary, {"small": small, "twin": twin}, slots, work, pauses_end)
             twin.stop()
             print(f"memory helper up on {hog.reply(timeout=180)['name']}")
-            phase_pressure(args, summary, bed, hog, gpu, work, models, end, on_run, on_card)
+            phase_pressure(args, summary, bed, hog, gpu, models, end, on_run, on_card)
         finally:
             hog.close()
             twin.stop()
@@ -124,39 +125,50 @@ def phase_pressure(
     bed: ProofBed,
     hog: Hog,
     gpu: Any,
-    work: Path,
     models: dict[str, Path],
     end: float,
     on_run: Callable[[RunResult], None],
     on_card: Callable[..., Any],
 ) -> None:
-    """Phase 2: runs under a loading server and under torch's step, in turns."""
+    """Phase 2: runs under a loading server and under torch's step, in turns (steps only
+    where the loading server could not be measured)."""
     free = nvml_free(gpu.index)
+    errors = summary.extra.setdefault("errors", [])
 
     def loader() -> Any:
         return on_card(models["8b"], 4096, ())
 
-    calibration = calibrate(loader, free)
-    rate = decode_rate(bed.primary)
-    summary.extra["loader"] = {**asdict(calibration), "primary_decode_tok_s": round(rate, 1)}
-    print(
-        f"another 8B loading takes {calibration.footprint_mib:,.0f} MiB, 90 % of it "
-        f"{calibration.crossed_s:.1f} s after its launch; the primary writes {rate:.0f} tokens/s"
-    )
+    try:
+        calibration: Calibration | None = calibrate(loader, free)
+        rate = decode_rate(bed.primary)
+    except Exception as exc:  # the steps are still worth their runs
+        errors.append(f"the loading server: {type(exc).__name__}: {exc}")
+        calibration, rate = None, 0.0
+    target = args.ballast_free_mib
+    if calibration is not None:
+        summary.extra["loader"] = {**asdict(calibration), "primary_decode_tok_s": round(rate, 1)}
+        target = calibration.footprint_mib + args.after_free_mib
+        print(
+            f"another 8B loading takes {calibration.footprint_mib:,.0f} MiB, 90 % of it "
+            f"{calibration.crossed_s:.1f} s after its launch; the primary writes {rate:.0f} "
+            "tokens/s"
+        )
     settings = Settings(
-        target_free_mib=calibration.footprint_mib + args.after_free_mib,
-        after_free_mib=args.after_free_mib, max_tokens=STEP_TOKENS, most=args.runs,
+        target_free_mib=target, after_free_mib=args.after_free_mib, max_tokens=STEP_TOKENS,
+        most=args.runs,
     )  # fmt: skip
     prepared = prepare(bed, hog, settings, summary, end)
     if prepared is None:
         return
     runs, step = prepared
-    reading = bed.status()["memory"]["cards"][runs.card]
-    pressure = Loader(loader, free, reading["floor_mib"], free())
-    # long enough to be still streaming when the load crosses the line, with some to spare
-    loading = replace(runs, max_tokens=int(runs.after_chunks + rate * (calibration.crossed_s + 2)))
+    turns: list[tuple[Runs, Pressure]] = [(runs, Step(hog, step))]
+    if calibration is not None:
+        reading = bed.status()["memory"]["cards"][runs.card]
+        # long enough to be still streaming when the load crosses the line, and some more
+        tokens = int(runs.after_chunks + rate * (calibration.crossed_s + 2))
+        pressure = Loader(loader, free, reading["floor_mib"], free())
+        turns.insert(0, (replace(runs, max_tokens=tokens), pressure))
     while len(runs.results) < args.runs and time.monotonic() < end:
-        if not repeat(loading, pressure, end, 1, on_run):
-            break
-        if not repeat(runs, Step(hog, step), end, 1, on_run):
-            break
+        for kind_runs, pressure in turns:
+            if not repeat(kind_runs, pressure, end, 1, on_run):
+                return

@@ -168,8 +168,8 @@ def calibrate(make: Callable[[], Any], free: Callable[[], float]) -> Calibration
                 raise RuntimeError("the loading server did not come up in 180 s")
         healthy = time.monotonic() - started
         footprint = before - free()
-        crossed = next(t for t, f in samples if before - f >= 0.9 * footprint) - started
-        return Calibration(footprint, crossed, healthy)
+        taken = (t for t, f in samples if before - f >= 0.9 * footprint)
+        return Calibration(footprint, next(taken, started + healthy) - started, healthy)
     finally:
         server.stop()
         wait_free(free, before - 512, 60)
