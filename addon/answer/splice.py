@@ -30,6 +30,7 @@ from addon.handoff.exact import first_leg_asks
 from addon.handoff.nextleg import NextLeg, rerouted
 from addon.handoff.record import Handoff
 from addon.servers.credentials import redacted
+from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
 
@@ -408,7 +409,9 @@ class Splice:
             if not client.started:
                 client.start(200, list(response.headers), response.reason)
             self._notes.release(client)
-            self.transcript.begin_leg(upstream.url, self._fleet.servers.get(upstream).tokenizer)
+            info = self._fleet.servers.get(upstream)
+            raw_pieces = info.engine in RENDERS_ON_ASKING
+            self.transcript.begin_leg(upstream.url, info.tokenizer, raw_pieces)
             strip = self._strip_pieces
             reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
             pump = Pump(

@@ -92,8 +92,14 @@ class Transcript:
             if isinstance(read, int) and isinstance(ms, int | float):
                 self.reads.append((self.legs[-1].server, read, float(ms)))
 
-    def begin_leg(self, server: str, vocabulary: str | None = None) -> None:
-        """A leg from `server`, whose tokenizer is `vocabulary` (None: not known)."""
+    def begin_leg(
+        self, server: str, vocabulary: str | None = None, raw_pieces: bool = False
+    ) -> None:
+        """A leg from `server`, whose tokenizer is `vocabulary` (None: not known), and
+        whose pieces, where it sends them, are its tokens' own bytes (`raw_pieces`:
+        llama-server's logprobs; vLLM's ids carry the parsed text)."""
+        if self.legs and not raw_pieces:
+            self.raw_whole = False
         self.legs.append(LegUsage(server))
         if not self.ids:
             self.vocabulary = vocabulary
@@ -108,7 +114,7 @@ class Transcript:
         """The text the model wrote, exactly, when every token of it is accounted for by
         the server's own count (None: not known byte for byte; the delivered text is
         then the best knowledge of it)."""
-        if not (self.counted and self.raw_whole) or self.raw_lost or len(self.legs) != 1:
+        if not (self.counted and self.raw_whole) or self.raw_lost:
             return None
         try:
             return bytes(self.raw).decode()
@@ -217,7 +223,7 @@ class Transcript:
         piece has the held bytes with only the last token's id: the ids are then
         incomplete, and where the gap is more than the chunk's characters could hide, what
         the model wrote is not known byte for byte."""
-        if made is None or len(self.legs) != 1:
+        if made is None:
             return
         leg = self.legs[-1]
         self.counted = True

@@ -13,7 +13,7 @@ from addon.formats.startover import StartOverGuard
 from addon.formats.transcript import Transcript
 from addon.handoff import vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
-from addon.handoff.exact import NativeRewriter
+from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
@@ -187,10 +187,24 @@ class NextLeg:
 
     def _chat_leg(self, upstream: Upstream, chat: dict[str, Any]) -> Leg:
         info = self._servers.get(upstream) if self._servers else None
+        if self._keeps_pieces(upstream):
+            chat = asking_for_ids(chat)
         rewriter = self.dialect.rewriter(
             self.transcript, chat, info.echoes_prefill if info else None
         )
         return self.dialect.leg_path(self.path, chat), chat, rewriter
+
+    def _keeps_pieces(self, upstream: Upstream) -> bool:
+        """Whether a chat leg on `upstream` asks for its tokens' pieces as the first leg
+        did (both llama-servers: the same fields, taken out again the same way), so that
+        what the model wrote stays known byte for byte after the cut."""
+        servers = self._servers
+        if servers is None or not self.asks_ids or self.dialect.name != "chat":
+            return False
+        first = Upstream(self.transcript.legs[0].server)
+        engines = (servers.get(first).engine, servers.get(upstream).engine)
+        on_llama = all(engine in RENDERS_ON_ASKING for engine in engines)
+        return on_llama and may_ask_for_ids(self.body)
 
     def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer's reasoning: its way of continuing
