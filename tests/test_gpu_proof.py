@@ -323,6 +323,21 @@ def test_the_summary_counts_clean_runs_and_spreads_their_times() -> None:
     assert "NOT CLEAN (2 handoff notes)" in describe(runs[3])
 
 
+def test_runs_under_two_kinds_of_pressure_are_also_told_apart() -> None:
+    runs = [_run(0, 30, 3), _run(1, 40, 5), _run(2, 900, 4), _run(3, 700, 6)]
+    for loading in runs[2:]:
+        loading.kind = "server loading"
+    figures = Summary(runs=runs).figures()
+    assert figures["clean_handoffs"] == 4 and set(figures["by_kind"]) == {"step", "server loading"}
+    assert figures["by_kind"]["server loading"]["alloc_to_note_ms"]["max"] == 900.0
+    assert figures["by_kind"]["step"]["alloc_to_note_ms"]["max"] == 40.0
+    table = format_table(Summary(runs=runs))
+    assert "clean handoffs (server loading)" in table and "clean handoffs (step)" in table
+    assert "run   2 (server loading): clean" in describe(runs[2])
+    alone = format_table(Summary(runs=runs[:2]))
+    assert "(step)" not in alone and "clean handoffs" in alone
+
+
 def test_a_histogram_is_read_back_from_a_real_exposition() -> None:
     registry = CollectorRegistry()
     histogram = Histogram(
