@@ -198,10 +198,10 @@ class NextLeg:
         """Whether a chat leg on `upstream` asks for its tokens' pieces as the first leg
         did (both llama-servers: the same fields, taken out again the same way), so that
         what the model wrote stays known byte for byte after the cut."""
-        servers = self._servers
-        if servers is None or not self.asks_ids or self.dialect.name != "chat":
-            return False
-        first = Upstream(self.transcript.legs[0].server)
+        servers, legs = self._servers, self.transcript.legs
+        if servers is None or not self.asks_ids or self.dialect.name != "chat" or not legs:
+            return False  # (no leg yet: the first server failed before its answer began)
+        first = Upstream(legs[0].server)
         engines = (servers.get(first).engine, servers.get(upstream).engine)
         on_llama = all(engine in RENDERS_ON_ASKING for engine in engines)
         return on_llama and may_ask_for_ids(self.body)
