@@ -15,7 +15,7 @@
 `run` starts mitmdump with the addon in front of the primary, so a person need not know
 where the addon's file is; what follows `--` goes to mitmdump as it is (`--set
 spillover_cards=...`, `-w flows.mitm`). `run --config FILE.yaml` reads its settings and the
-addon's options from one file (scripts/config.py); `spillover options` lists those.
+addon's options from one file (scripts/parts/config.py); `spillover options` lists those.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import NoReturn
 
 import httpx
 
-from scripts.config import DEFAULTS, ConfigError, settle
-from scripts.config import mistakes as run_mistakes
-from scripts.options import main as list_options
-from scripts.summary import summary
+from scripts.parts.config import DEFAULTS, ConfigError, settle
+from scripts.parts.config import mistakes as run_mistakes
+from scripts.parts.options import main as list_options
+from scripts.parts.summary import summary
 
 ADDON = Path(__file__).resolve().parent.parent / "addon" / "spillover.py"
 TOOLS = {

@@ -13,7 +13,7 @@ confdir of its own; kept if it exists), `spillover-proxy.service` (`spillover ru
 clients' port), both running the installed command, in
 `~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes), and
 says the address clients use. It first refuses ports that are a server's or taken here,
-and, with `--system`, a command the service user may not run (`scripts.servicechecks`);
+and, with `--system`, a command the service user may not run (`scripts.parts.servicechecks`);
 where the servers' processes are another user's, it writes the cards it finds for them
 (`scripts.parts.servicecards`).
 A non-loopback `--listen` is public: the proxy then trusts no local client on its control
@@ -34,12 +34,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts import servicechecks
 from scripts.guard import CANNOT_START
+from scripts.parts import servicechecks
 from scripts.parts.access import User
 from scripts.parts.ports import EVERY_ADDRESS, address, is_loopback
 from scripts.parts.servicecards import servers_cards
-from scripts.serviceoptions import ensure_token, write_or_keep
+from scripts.parts.serviceoptions import ensure_token, write_or_keep
 
 UNITS = ("spillover-proxy.service", "spillover-guard.service")
 
@@ -226,7 +226,7 @@ def install(args: argparse.Namespace) -> None:
 def check(
     args: argparse.Namespace, servers: list[str], routed: bool, service_user: User | None
 ) -> None:
-    """Refuse what cannot work, before anything is written (see scripts.servicechecks)."""
+    """Refuse what cannot work, before anything is written (see scripts.parts.servicechecks)."""
     mine = servicechecks.listeners(args.listen, args.proxy_port, guarded=not routed)
     refused = servicechecks.contradictions(mine, servers)
     here = servicechecks.on_this_machine(mine, UNITS, service_user, command())

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from mitmproxy.optmanager import parse
 
-from scripts.config import read
-from scripts.options import declared
+from scripts.parts.config import read
+from scripts.parts.options import declared
 from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump
 from tests.streams import assert_one_clean_stream, chat_body, read_stream

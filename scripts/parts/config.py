@@ -24,7 +24,7 @@ from mitmproxy.optmanager import parse
 
 from addon.servers.urlchecks import server_mistakes
 from addon.surface.mistakes import PREFIX, closest
-from scripts.options import Declared, declared
+from scripts.parts.options import Declared, declared
 
 # `run`'s own settings, and their values when neither a flag nor the file gives them.
 DEFAULTS: dict[str, Any] = {
