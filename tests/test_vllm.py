@@ -29,12 +29,14 @@ from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import CHAT_RENDERING
 from addon.servers.upstream import Upstream
+from addon.servers.vllm_routes import OFF
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
 from scripts.testbed.llamaserver import LlamaServer, find_binary
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
+from scripts.testbed.relay import Relay
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import (
@@ -121,6 +123,7 @@ def test_vllm_is_known_and_continues_by_continue_final_message(
     assert said[0].endswith("it opens a new turn")
     assert said[1] == "continue_final_message adds no more than its own tokens to the prompt"
     assert known["slot_context"] == CONTEXT  # its max_model_len
+    assert known["own_routes"] == OFF  # started without --enable-scale-out
     # What the check rests on, asked of vLLM directly: a trailing assistant message alone
     # opens a new turn (the prompt grows by more than the message), the fields keep it open.
     partial = [*PROMPT, {"role": "assistant", "content": "The river"}]
@@ -286,11 +289,14 @@ class Address:
 
 
 @pytest.fixture(scope="module")
-def vllm_twin(vllm: VllmServer) -> Address:
-    """The module's vLLM under another address (localhost for 127.0.0.1): to the addon a
+def vllm_twin(vllm: VllmServer, server_logs: Path) -> Iterator[Address]:
+    """The module's vLLM under another address (HAProxy, every route let through; the
+    addon refuses the same address, or localhost for it, as a fallback): to the addon a
     second vLLM server with the same tokenizer, so ids move between them. (A second
     process would run the same weights the same way, and take minutes to start here.)"""
-    return Address(f"http://localhost:{vllm.port}")
+    relay = Relay(vllm.url, log_dir=server_logs, every_route=True).start()
+    yield Address(relay.url)
+    relay.stop()
 
 
 def test_between_two_vllms_an_answer_goes_on_from_its_token_ids(

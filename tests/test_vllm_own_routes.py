@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from addon.servers.vllm_routes import ON
-from scripts.testbed.prompts import chat_body
+from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.prompts import TOOLS, chat_body
 from scripts.testbed.relay import Relay
 from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import (
@@ -49,7 +50,8 @@ def thinking_vllm(models: dict[str, Path], server_logs: Path, tmp_path_factory) 
     except VllmUnavailable as why:
         pytest.skip(f"vLLM's CPU build is not used here: {why}")
     template = reasoning_template(tmp_path_factory.mktemp("template"))
-    flags = ["--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]
+    flags = ["--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
     server = VllmServer(
         hf_copy(models["fallback"]), max_model_len=1024, log_dir=server_logs,
         extra_args=[*flags, "--enable-scale-out"],
@@ -123,6 +125,38 @@ def test_a_cut_after_the_reasoning_closed_goes_on_as_content(
     assert stream.thoughts[0] and before and after and not stream.thoughts[1]
     message = direct(thinking_vllm, body)["choices"][0]["message"]
     assert (stream.thoughts[0], before + after) == (message["reasoning"], message["content"])
+
+
+def test_with_tools_offered_a_cut_goes_on_exactly(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """Tools offered (its hermes tool-call parser reads the answer; the tiny model calls
+    none): the twin goes on from the ids, read by the same parsers, as vLLM answers."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, tools=TOOLS, **CLOSES_REASONING)
+    stream = cut_at(proxy.url, body, 40)
+    (note,) = stream.notes
+    assert "replayed as token ids" in note
+    before, after = stream.segments
+    message = direct(thinking_vllm, body)["choices"][0]["message"]
+    assert (stream.thoughts[0], before + after) == (message["reasoning"], message["content"])
+
+
+def test_what_vllms_parsers_showed_is_not_continued_as_what_the_model_wrote(
+    start_proxy, thinking_vllm: str, fallback: LlamaServer
+) -> None:
+    """A llama-server does not read vLLM's ids: the reasoning the client got is what
+    vLLM's parser showed (its markers hidden), so the answer ends in-band saying so."""
+    proxy = start_proxy(thinking_vllm, [fallback.url])
+    proxy.servers_known()
+    stream = read_stream(
+        proxy.url, chat_body(LONG, model=SERVED_NAME), timeout=300,
+        on_chunk=lambda n: n == 10 and httpx.post(f"{proxy.url}/spillover/handoff"),
+    )  # fmt: skip
+    assert stream.thoughts[0] and stream.done == 0
+    message = stream.errors[0]["error"]["message"]
+    assert "known only as vLLM's reasoning parser showed it" in message
 
 
 def test_a_penalty_vllm_would_start_over_is_not_carried(

@@ -110,7 +110,7 @@ class NextLeg:
             raise CannotContinue(why)
         if (why := self._foreign_ids(upstream)) is not None:
             raise CannotContinue(why)
-        if (why := self._sampled_otherwise(upstream)) is not None:
+        if (why := self._sampled_otherwise(upstream) or self._parsed_only(upstream)) is not None:
             raise CannotContinue(f"{upstream.url}: {why}")
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
@@ -139,9 +139,31 @@ class NextLeg:
             return None
         if not (transcript.content or transcript.reasoning):
             return None
-        first = transcript.legs[0].server
-        engine = next((i.engine for u, i in servers.info.items() if u.url == first), None)
-        return vllm_differs(self.body, transcript.produced, engine)
+        return vllm_differs(self.body, transcript.produced, self._first_engine())
+
+    def _parsed_only(self, upstream: Upstream) -> str | None:
+        """Why a vLLM primary's answer, which its parsers may have changed (tools were
+        offered, or it reasoned: a marker hidden, whitespace trimmed), cannot go on on
+        `upstream`: what its model wrote is known there only as its ids, and `upstream`
+        does not go on from them."""
+        if self._first_engine() != vllm.ENGINE or self._exact_ids(upstream) is not None:
+            return None
+        if self.body.get("tools"):
+            parser = "tool-call parser (tools were offered)"
+        elif self.transcript.reasoning:
+            parser = "reasoning parser"
+        else:
+            return None
+        return (
+            f"the answer so far is known only as vLLM's {parser} showed it, and what its "
+            "model wrote (its token ids) does not go on here"
+        )
+
+    def _first_engine(self) -> str | None:
+        """The engine of the server that wrote the answer's first leg."""
+        if self._servers is None or not self.transcript.legs:
+            return None
+        return self._servers.get(Upstream(self.transcript.legs[0].server)).engine
 
     def _foreign_ids(self, upstream: Upstream) -> str | None:
         """Why `upstream` would read the request's token ids as other tokens
