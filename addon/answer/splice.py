@@ -213,22 +213,20 @@ class Splice:
         kind, why = verdict
         if kind == "slow":
             self.handoff(f"{self.current.url}: {why}", kind)
-        elif kind == "silent":  # unless it is still reading the prompt
+        elif kind == "silent":  # unless it is still at work
             pace.asking = asyncio.ensure_future(self._unless_reading(pace, why))
         else:
             self._leave_stalled(why, now)
 
     async def _unless_reading(self, pace: Pace, why: str) -> None:
-        """Leave a server silent past its wait, unless it says it is reading a prompt."""
+        """Leave a server silent past its wait, unless it says it is still at work."""
         upstream = self.current
         reading = await still_reading(upstream.url, self._fleet.question_headers(upstream.url))
         pace.asking = None
         if pace is not self._pace or pace.first is not None or not self.can_cut:
             return
         if reading is not None:
-            log.info(
-                "%s is still reading a prompt (%s): waiting as long again", upstream.url, reading
-            )
+            log.info("%s is still at work (%s): waiting as long again", upstream.url, reading)
             pace.stretch(time.monotonic())
         else:
             self._leave_stalled(why, time.monotonic())

@@ -42,6 +42,9 @@ CALM = ("ok", "unknown")
 class Down:
     why: str
     since: float
+    # Whether its /health said it was loading (refused the connection, or answered 5xx,
+    # as llama-server does until its model is loaded), not merely slow to answer.
+    loading: bool = False
 
 
 class Router:
@@ -51,9 +54,9 @@ class Router:
         # The memory watcher's word on a server's cards: ("pressured" or "unknown", why),
         # or None when they are clear (or not watched).
         self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
-        # Told when a server comes up (its /health answers after it was down since the
-        # time given): what it took of its cards while loading is its own (the memory
-        # watcher re-bases them).
+        # Told when a server comes up after loading (its /health answers after it refused
+        # connections or answered 5xx since the time given): what it took of its cards
+        # while loading is its own (the memory watcher re-bases them).
         self.came_up: Callable[[str, float], None] = lambda _url, _since: None
         self.down: dict[str, Down] = {}
         self.busy: dict[str, tuple[str, float]] = {}  # server -> (why, until)
@@ -106,10 +109,11 @@ class Router:
     def refused(self, kind: str) -> None:
         self.refusals[kind] = self.refusals.get(kind, 0) + 1
 
-    def mark_down(self, url: str, why: str) -> None:
+    def mark_down(self, url: str, why: str, loading: bool = False) -> None:
         if url not in self.down:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
             self.down[url] = Down(why, time.monotonic())
+        self.down[url].loading |= loading
 
     async def watch_health(self, urls: Callable[[], list[str]], every_s: float) -> None:
         """Ask every server's /health every `every_s`: a server that does not answer, or
@@ -139,14 +143,16 @@ class Router:
         try:
             status = (await client.get(f"{url}/health")).status_code
         except httpx.HTTPError as exc:
-            self.mark_down(url, f"/health: {type(exc).__name__}")
+            loading = isinstance(exc, httpx.ConnectError)  # not listening (yet)
+            self.mark_down(url, f"/health: {type(exc).__name__}", loading)
             return
         if status >= 500:
-            self.mark_down(url, f"/health: HTTP {status}")
+            self.mark_down(url, f"/health: HTTP {status}", loading=True)
         elif url in self.down:
             log.info("%s answers again", url)
-            since = self.down.pop(url).since
-            self.came_up(url, since)
+            down = self.down.pop(url)
+            if down.loading:
+                self.came_up(url, down.since)
             self.on_back(url)
 
     def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:

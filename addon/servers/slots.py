@@ -22,16 +22,15 @@ def unused_first(slots: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(slots, key=lambda s: "id_task" in s)
 
 
-def reading_prompt(slots: Any) -> str | None:
-    """A slot that is reading a prompt (processing, nothing decoded yet), in words; None
-    when none is."""
+def working(slots: Any) -> str | None:
+    """What the server says it is doing, in words, when a slot is processing (reading a
+    prompt, or writing an answer while others wait for a slot); None when none is."""
     if not isinstance(slots, list):
         return None
-    for slot in slots:
-        if not isinstance(slot, dict) or slot.get("is_processing") is not True:
-            continue
+    busy = [s for s in slots if isinstance(s, dict) and s.get("is_processing") is True]
+    for slot in busy:
         progress = slot.get("next_token")
         decoded = progress[0].get("n_decoded") if isinstance(progress, list) and progress else None
         if decoded == 0:
-            return f"slot {slot.get('id')}: {slot.get('n_prompt_tokens', '?')} prompt tokens"
-    return None
+            return f"slot {slot.get('id')} reading {slot.get('n_prompt_tokens', '?')} prompt tokens"
+    return f"{len(busy)} of {len(slots)} slots writing answers" if busy else None
