@@ -10,6 +10,7 @@ from collections.abc import Callable
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
+from scripts.testbed.openai_upstream import HALF_PAIR_AT, OpenAIUpstream
 from tests.chat_shapes import SHAPES
 from tests.streams import assert_one_clean_stream, read_stream
 from tests.test_splice import handoff_after
@@ -57,3 +58,24 @@ def test_token_ids_of_the_primary_go_only_to_a_server_of_its_vocabulary(
             (error,) = stream.errors
             message = error["error"]["message"]
             assert "logit_bias name token ids" in message and second.url in message, message
+
+
+def test_half_of_a_utf16_pair_from_a_continuing_server_goes_to_the_client_as_sent(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """Stand-in fallback (no real server here splits an emoji's escape on demand): its
+    continuation carries a lone `\\ud83d`; the rewritten chunk reaches the client escaped
+    as the server sent it, and the answer ends cleanly."""
+    hosted = OpenAIUpstream("hosted", mode="surrogate")
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [hosted.url])
+    proxy.servers_known()
+    body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0}
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 8 and primary.kill())
+    assert_one_clean_stream(stream)
+    before, after = stream.segments
+    asked = [*SHAPES["plain"]["messages"], {"role": "assistant", "content": before}]
+    words = hosted.words(asked, 300 - stream.segment_tokens[0])
+    words[HALF_PAIR_AT] += "\ud83d"
+    assert after == "".join(words)
+    hosted.close()

@@ -117,7 +117,11 @@ def is_done(event: bytes) -> bool:
 
 
 def encode(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return b"data: " + text.encode()
+    except UnicodeEncodeError:  # half of a UTF-16 pair, as its server escaped it: escaped
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
 
 
 def comment(text: str) -> bytes:

@@ -8,7 +8,9 @@ is a pure function of that text.
 
 Modes for a chat that ends in an assistant message: "continue" (goes on from it),
 "echo" (repeats it first, then goes on), "restart" (reads the chat without it: the
-answer from its start again), "refuse" (HTTP 400, as a model that takes no prefill).
+answer from its start again), "refuse" (HTTP 400, as a model that takes no prefill),
+"surrogate" (goes on, the seventh word of a streamed answer ending in half of a UTF-16
+pair, as a server that splits an emoji's escape across chunks sends it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from scripts.testbed.ollama_upstream import answer
 
 REFUSAL = "This model does not support assistant message prefill."
 MODEL = "hosted-model"
+HALF_PAIR_AT = 6
 
 
 def own_words(name: str, messages: list[dict[str, Any]], mode: str, tokens: int) -> list[str]:
@@ -123,6 +126,8 @@ class OpenAIUpstream:
             handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             handler.wfile.flush()
 
+        if self.mode == "surrogate" and len(words) > HALF_PAIR_AT:
+            words[HALF_PAIR_AT] += "\ud83d"
         event({"role": "assistant", "content": ""})
         for index, word in enumerate(words):
             if index == self.cut_after:
