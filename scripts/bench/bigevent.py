@@ -83,12 +83,13 @@ def main() -> None:
     mib = parser.parse_args().mib
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        source = SseSource(log_dir=work)
-        with running(source):
+        # The twin is a fallback with the same tokenizer (never the primary's own address).
+        source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
+        with running(source, twin):
             setups = {
                 "direct": None,
                 "plain mitmdump": Mitmdump(source.url, addon=False, log_dir=work),
-                "addon": Mitmdump(source.url, [source.url], log_dir=work),
+                "addon": Mitmdump(source.url, [twin.url], log_dir=work),
             }
             print(
                 f"{'':16} {'alone p50/p95 ms':>18} {'beside big p50/p95 ms':>22} "

@@ -95,18 +95,20 @@ async def latency(port: int, chunks: int) -> tuple[float, float]:
 
 def overhead(quick: bool, work: Path) -> None:
     single, multi, paced = (4000, 500, 300) if quick else (40000, 3000, 1500)
-    source = SseSource(log_dir=work)
-    with running(source):
+    # The twin stands for a fallback with the same tokenizer (the addon refuses the
+    # primary's own address as a fallback); it answers only the addon's questions.
+    source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
+    with running(source, twin):
         behind = Mitmdump(source.url, [], log_dir=work)
         setups: dict[str, list[ManagedProcess]] = {
             "direct": [],
             "plain mitmdump": [Mitmdump(source.url, addon=False, log_dir=work)],
             "addon": [Mitmdump(source.url, [], log_dir=work)],
             # A fallback with the same tokenizer: the first leg is asked for token ids.
-            "addon, ids": [Mitmdump(source.url, [source.url], log_dir=work)],
+            "addon, ids": [Mitmdump(source.url, [twin.url], log_dir=work)],
             "addon, ids off": [
                 Mitmdump(
-                    source.url, [source.url], options=["spillover_exact_replay=false"],
+                    source.url, [twin.url], options=["spillover_exact_replay=false"],
                     log_dir=work,
                 )
             ],
@@ -230,9 +232,9 @@ def first_token(target: str, fallback: str, repeats: int, work: Path) -> dict[st
 def first_tokens(llama: tuple[LlamaServer, LlamaServer], repeats: int, work: Path) -> None:
     """The first token from the stand-in (the proxies' own time) and from llama-server
     (theirs with llama-server's on the same cores)."""
-    source = SseSource(log_dir=work)
-    with running(source):
-        stand_in = first_token(source.url, source.url, repeats, work)
+    source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
+    with running(source, twin):
+        stand_in = first_token(source.url, twin.url, repeats, work)
     real = first_token(llama[0].url, llama[1].url, repeats, work)
     columns = ("stand-in", "over direct", "llama-server", "over direct")
     print(f"\n{'first token, ms':16}" + "".join(f"{c:>14}" for c in columns))
