@@ -159,6 +159,42 @@ def test_what_vllms_parsers_showed_is_not_continued_as_what_the_model_wrote(
     assert "known only as vLLM's reasoning parser showed it" in message
 
 
+def test_a_killed_llama_server_goes_on_inside_its_reasoning_on_vllm(
+    models: dict[str, Path], start_server, start_proxy, thinking_vllm: str
+) -> None:
+    """A llama-server primary with the same template thinks aloud and is killed: what its
+    model wrote is known byte for byte (each token's bytes), vLLM renders the original
+    request itself and generates from its ids of that text, and its parser reads the
+    reasoning still open: the client's reasoning goes on, in the field it was reading,
+    exactly as vLLM's own text completion of the same prompt goes on."""
+    template = str(reasoning_template(models["primary"].parent))
+    primary = start_server("primary", extra_args=["--chat-template-file", template])
+    proxy = start_proxy(primary.url, [thinking_vllm])
+    proxy.servers_known()
+    body = chat_body(LONG)
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 20 and primary.kill())
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert f"-> {thinking_vllm}" in note
+    before, after = stream.thoughts
+    assert before and after and not "".join(stream.segments)
+    fields = {k for c in stream.chunks for ch in c["choices"] for k in ch.get("delta") or {}}
+    assert "reasoning_content" in fields and "reasoning" not in fields
+    (handoff,) = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"]
+    named = {**body, "model": SERVED_NAME}
+    saw = httpx.post(f"{thinking_vllm}/v1/chat/completions/render", json=named).json()
+    truth = saw["token_ids"] + tokens(thinking_vllm, before)
+    asked = {"model": SERVED_NAME, "prompt": truth, "temperature": 0,
+             "max_tokens": LONG - handoff["at_token"]}  # fmt: skip
+    own = httpx.post(f"{thinking_vllm}/v1/completions", json=asked, timeout=300).json()
+    assert after == own["choices"][0]["text"]
+
+
+def tokens(url: str, text: str) -> list[int]:
+    asked = {"model": SERVED_NAME, "prompt": text, "add_special_tokens": False}
+    return httpx.post(f"{url}/tokenize", json=asked).json()["tokens"]
+
+
 def test_a_penalty_vllm_would_start_over_is_not_carried(
     start_proxy, thinking_vllm: str, twin: str
 ) -> None:
