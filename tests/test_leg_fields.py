@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import httpx
+
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
@@ -16,6 +18,7 @@ from tests.streams import assert_one_clean_stream, read_stream
 from tests.test_splice import handoff_after
 
 QWEN3 = "Qwen-Qwen3-0.6B"
+NEMO = "mistralai-Mistral-Nemo-Instruct-2407"
 
 
 def test_a_text_leg_sends_no_logprobs_the_client_did_not_ask_for(
@@ -79,3 +82,33 @@ def test_half_of_a_utf16_pair_from_a_continuing_server_goes_to_the_client_as_sen
     words[HALF_PAIR_AT] += "\ud83d"
     assert after == "".join(words)
     hosted.close()
+
+
+def test_a_logprobs_client_s_ids_are_replayed_only_when_none_were_held_back(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """The client asks for logprobs and stops at " three xyz": llama-server holds " three"
+    while it might start the stop and sends it with the next token's entry, which has
+    that token's id alone. The held id never reached the client, so the answer's ids
+    are not whole: the fallback (the same vocabulary) must go on from the text, as its
+    own continuation of what the model wrote, not from ids one token short."""
+    template = {t.stem: t for t in templates()}[NEMO]
+    args = ["--jinja", "--chat-template-file", str(template), "--ubatch-size", "32"]
+    first, second = (
+        start_server("primary", extra_args=args),
+        start_server("fallback", extra_args=args),
+    )
+    proxy = start_proxy(first.url, [second.url])
+    proxy.servers_known()
+    body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0,
+            "logprobs": True, "stop": [" three xyz"]}  # fmt: skip
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 6 and first.kill())
+    assert_one_clean_stream(stream)
+    before, after = stream.segments
+    assert " three model" in before, before
+    request = {k: v for k, v in body.items() if k not in ("stream", "logprobs", "stop")}
+    saw = httpx.post(f"{second.url}/apply-template", json=request).json()["prompt"]
+    native = {"prompt": saw + before, "n_predict": 300 - stream.segment_tokens[0] - 1,
+              "temperature": 0, "cache_prompt": False, "stop": [" three xyz"]}  # fmt: skip
+    own = httpx.post(f"{second.url}/completion", json=native, timeout=60).json()["content"]
+    assert after == own

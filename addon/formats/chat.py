@@ -33,6 +33,7 @@ from addon.formats.startover import NotAContinuation
 from addon.formats.toolcalls import ToolCallHold, calls_chunk
 from addon.formats.transcript import (
     LOGPROBS_COUNTED,
+    TIMINGS,
     Transcript,
     server_count,
     take_pieces,
@@ -100,7 +101,8 @@ class ChatReader:
         if self.strip_pieces and (changed or b'"logprobs"' in event or b'"token_ids"' in event):
             pieces = take_pieces(chunk, self.strip_pieces)
             changed = True
-        if self.strip_pieces == LOGPROBS_COUNTED and "timings" in chunk and not ends_answer(chunk):
+        counted = self.strip_pieces in (LOGPROBS_COUNTED, TIMINGS)
+        if counted and "timings" in chunk and not ends_answer(chunk):
             # The count the addon asked for; the last chunk's timings are the server's own.
             made = server_count(chunk)
             del chunk["timings"]

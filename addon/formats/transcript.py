@@ -17,6 +17,8 @@ LOGPROBS = "logprobs"  # llama-server's logprobs, with each token's id
 # llama-server's logprobs and, in every chunk but the last, `timings` (`timings_per_token`,
 # whose `predicted_n` is the server's own count of the tokens it generated).
 LOGPROBS_COUNTED = "logprobs+timings"
+# The client asked for logprobs: only the `timings` the addon asked with them are its own.
+TIMINGS = "timings"
 # Where a chat chunk's delta carries reasoning: llama-server's `reasoning_content`, and
 # vLLM's `reasoning` (its name since vLLM 0.32, the old one removed).
 REASONING_FIELDS = ("reasoning_content", "reasoning")
@@ -307,6 +309,7 @@ def without_pieces(block: bytes, strip: str) -> bytes | None:
         TOKEN_IDS: ('"token_ids":', '"prompt_token_ids":'),
         LOGPROBS: ('"logprobs":',),
         LOGPROBS_COUNTED: ('"logprobs":', '"timings":'),
+        TIMINGS: ('"timings":',),
     }[strip]
     try:
         for key in keys:

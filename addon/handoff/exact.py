@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
 from addon.formats.shape import constraint_of, positive_int
-from addon.formats.transcript import LOGPROBS_COUNTED, TOKEN_IDS
+from addon.formats.transcript import LOGPROBS_COUNTED, TIMINGS, TOKEN_IDS
 from addon.handoff import vllm
 from addon.servers.upstream import Upstream
 
@@ -82,8 +82,8 @@ def first_leg_asks(
     servers: ServerDirectory | None,
 ) -> tuple[bool, str | None, bytes]:
     """Whether the first leg asks for its tokens' pieces, which of them are taken out
-    again before the client sees them (TOKEN_IDS, LOGPROBS or LOGPROBS_COUNTED, the ones
-    it did not ask for itself; None), and the first leg's request body. Asked in the
+    again before the client sees them (TOKEN_IDS, LOGPROBS_COUNTED or, where the client
+    asked for logprobs itself, TIMINGS; None), and the first leg's request body. Asked in the
     first server's engine's own terms, wherever another server could continue: vLLM's
     ids (what it generated, marker tokens its parser hid included: replayed where a
     server shares its tokenizer, counted in the budget everywhere), llama-server's
@@ -99,8 +99,12 @@ def first_leg_asks(
     may_ask = vllm.may_ask_for_ids(body) if on_vllm else may_ask_for_ids(body)
     shared = any(servers.same_tokenizer(ladder[0], other) for other in ladder[1:])
     asks = (wants or may_ask) and (shared or engine in ("llama-server", vllm.ENGINE))
-    if not asks or wants:
+    if not asks or (wants and (on_vllm or "timings_per_token" in body)):
         return asks, None, raw_body
+    if wants:
+        # The client's logprobs stay; llama-server's count of its tokens is asked too
+        # (and taken out), which shows the ids its chunks never carried (a held token's).
+        return asks, TIMINGS, json.dumps({**body, "timings_per_token": True}).encode()
     asked = vllm.asking_for_ids(body) if on_vllm else asking_for_ids(body)
     return asks, TOKEN_IDS if on_vllm else LOGPROBS_COUNTED, json.dumps(asked).encode()
 
