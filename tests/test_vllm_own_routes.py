@@ -195,6 +195,34 @@ def tokens(url: str, text: str) -> list[int]:
     return httpx.post(f"{url}/tokenize", json=asked).json()["tokens"]
 
 
+def test_a_client_that_asked_for_ids_gets_them_after_the_cut(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """`return_token_ids` from the client: the twin's derendered chunks carry its
+    generated ids too, and they are vLLM's own ids of the whole answer."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, return_token_ids=True)
+    stream = cut_at(proxy.url, body, 10)
+    assert "replayed as token ids" in stream.notes[0]
+    ids = [i for c in stream.chunks for ch in c["choices"] for i in ch.get("token_ids") or ()]
+    assert ids == direct(thinking_vllm, body)["choices"][0]["token_ids"]
+
+
+def test_llama_cpps_own_sampling_is_not_carried_to_vllm(
+    start_server, start_proxy, thinking_vllm: str
+) -> None:
+    """A llama-server primary sampled under repeat_penalty, which vLLM does not have:
+    the answer is not continued there, in-band saying why."""
+    primary = start_server("primary")
+    proxy = start_proxy(primary.url, [thinking_vllm])
+    proxy.servers_known()
+    body = chat_body(LONG, repeat_penalty=1.3)
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 20 and primary.kill())
+    assert stream.segments[0] and stream.done == 0
+    assert "vLLM has no repeat_penalty" in stream.errors[0]["error"]["message"]
+
+
 def test_a_penalty_vllm_would_start_over_is_not_carried(
     start_proxy, thinking_vllm: str, twin: str
 ) -> None:

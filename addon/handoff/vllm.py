@@ -132,18 +132,17 @@ class VllmTerms:
         return self._generated(list(truth.ids or ())) if self._rendered else None
 
     def _generated(self, prompt: list[int]) -> Leg | None:
-        if self._context is None or not self._rendered:
+        # Its generate route leaves a matched stop string in the ids its derender reads
+        # (its chat route cuts it from the text): such an answer goes on the other ways.
+        if self._context is None or not self._rendered or self._original.get("stop"):
             return None
         limit = token_limit(self._original)
         left = self._context - len(prompt) if limit is None else limit - self._transcript.produced
         body = generate_body(self._rendered, prompt, max(1, left))
         plain = ChunkRewriter(self._transcript, "", False)
         original = {**self._original, **self._named}
-        return (
-            GENERATE,
-            body,
-            Derendered(self._ask, self._named.get("model"), original, prompt, plain),
-        )
+        derendered = Derendered(self._ask, self._named.get("model"), original, prompt, plain)
+        return GENERATE, body, derendered
 
     def _completion(self, prompt: list[int]) -> Leg | None:
         if self._context is None:

@@ -49,8 +49,9 @@ class Derendered:
         prompt: list[int],
         rewriter: ChunkRewriter,
     ) -> None:
-        """`chat`: the client's original request, as vLLM's parsers are to read it;
-        `prompt`: the ids the leg goes on from."""
+        """`chat`: the client's original request, as vLLM's parsers are to read it (its
+        `return_token_ids` included: the derendered chunks then carry them); `prompt`:
+        the ids the leg goes on from."""
         self._ask = ask
         self._fixed = {
             "stream": True, "prompt_token_ids": prompt, "prompt_tokens": len(prompt),
