@@ -13,9 +13,9 @@ from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import HALF_PAIR_AT, OpenAIUpstream
+from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
 from tests.chat_shapes import SHAPES
 from tests.streams import assert_one_clean_stream, read_stream
-from tests.test_splice import handoff_after
 
 QWEN3 = "Qwen-Qwen3-0.6B"
 NEMO = "mistralai-Mistral-Nemo-Instruct-2407"
@@ -33,9 +33,10 @@ def test_a_text_leg_sends_no_logprobs_the_client_did_not_ask_for(
         start_server("fallback", extra_args=args),
     )
     proxy = start_proxy(first.url, [second.url])
-    body = {**SHAPES["plain"], "max_tokens": 30, "stream": True, "temperature": 0,
+    proxy.servers_known()
+    body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0,
             "timings_per_token": True}  # fmt: skip
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, 8, hold=first))
+    stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 8 and first.kill())
     assert_one_clean_stream(stream)
     assert "replayed as text" in stream.notes[0] and stream.segments[1]
     assert not [c for c in stream.chunks if any("logprobs" in ch for ch in c["choices"])]
@@ -112,3 +113,26 @@ def test_a_logprobs_client_s_ids_are_replayed_only_when_none_were_held_back(
               "temperature": 0, "cache_prompt": False, "stop": [" three xyz"]}  # fmt: skip
     own = httpx.post(f"{second.url}/completion", json=native, timeout=60).json()["content"]
     assert after == own
+
+
+def test_text_that_spells_a_special_token_of_the_fallback_is_not_sent_as_text(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """Stand-in primary (no real model here writes `<|im_end|>` as ordinary pieces on
+    demand) that dies after writing it; the fallback is a real llama-server, whose
+    tokenizer would read that text as its end-of-turn token: the answer ends in-band
+    with the reason, and a stand-in that writes plain words goes on."""
+    fallback = start_server("fallback")
+    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
+        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(said))
+        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+        proxy = start_proxy(primary.url, [fallback.url])
+        proxy.servers_known()
+        stream = read_stream(proxy.url, {**SHAPES["plain"], "max_tokens": 20, "stream": True})
+        if spells:
+            (error,) = stream.errors
+            assert "spells '<|im_end|>'" in error["error"]["message"], error
+        else:
+            assert_one_clean_stream(stream)
+            assert stream.segments[0] == " the river bridge" and stream.segments[1]
+        primary.close()

@@ -11,9 +11,10 @@ from typing import Any
 from addon.formats.continuation import ChunkRewriter
 from addon.formats.shape import mapping
 from addon.formats.transcript import Transcript
-from addon.handoff import placing, seen
+from addon.handoff import placing, seen, specials
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
+from addon.servers.prompts import NotRendered
 
 Render = Callable[[dict[str, Any]], Awaitable[str]]  # a chat request -> its rendering
 
@@ -27,20 +28,26 @@ class LlamaServerTerms:
         transcript: Transcript,
         saw: Callable[[], Awaitable[str]],
         render: Render,
+        ask: specials.Ask | None = None,
     ) -> None:
         """`saw`: its rendering of `original` (asked once per answer); `render`: its
-        rendering of any chat request (both raise NotRendered)."""
+        rendering of any chat request (both raise NotRendered); `ask`: its own questions
+        (None: a router, which is not asked whether text spells its special tokens)."""
         self.url = url
         self._model = model
         self._original = original
         self._transcript = transcript
         self._saw = saw
         self._render = render
+        self._ask = ask
 
     async def saw(self) -> Prompt:
         return Prompt(text=await self._saw())
 
     async def truth(self, saw: Prompt, written: str) -> Prompt:
+        """Raises NotRendered where what the model wrote spells a special token here."""
+        if self._ask is not None and (why := await specials.spelled(self._ask, self.url, written)):
+            raise NotRendered(why)
         return Prompt(text=(saw.text or "") + written)
 
     async def reads(self, chat: dict[str, Any]) -> Prompt | None:

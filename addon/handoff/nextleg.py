@@ -198,8 +198,9 @@ class NextLeg:
             return None  # its engine's routes did not prove it: they may be hidden
         if info.engine in RENDERS_ON_ASKING:
             render = lambda chat: servers.rendering(upstream, chat)  # noqa: E731
-            return LlamaServerTerms(url, info.model, self.body, self.transcript,
-                                    lambda: self._chat_prompt_or_why(upstream), render)  # fmt: skip
+            ask = servers.asker(upstream) if info.engine == "llama-server" else None
+            saw = lambda: self._chat_prompt_or_why(upstream)  # noqa: E731
+            return LlamaServerTerms(url, info.model, self.body, self.transcript, saw, render, ask)
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
             return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
