@@ -243,7 +243,8 @@ def test_a_llama_server_still_reading_a_long_prompt_is_never_cut(
         stream = read_stream(proxy.url, body, timeout=300)
         waited = time.monotonic() - started
     assert_one_clean_stream(stream)
-    assert stream.notes == [], stream.notes
+    # (llama-server's own keep-alive ping, ":", may come through on a slow stream)
+    assert [note for note in stream.notes if note != ":"] == [], stream.notes
     assert stream.text == direct["choices"][0]["message"]["content"]
     assert waited > 1, waited  # it did wait past the unmeasured bound
     assert "is still at work (slot 0 reading " in proxy.log_path.read_text()
