@@ -13,12 +13,17 @@ splits them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from addon.formats.transcript import Transcript
+from addon.handoff.builder import Prompt
+from addon.handoff.vllm import VllmTerms
+from addon.servers.prompts import NotRendered
 from addon.servers.vllm_routes import ON
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.prompts import TOOLS, chat_body
@@ -88,6 +93,27 @@ def test_vllm_says_it_serves_its_own_routes(start_proxy, thinking_vllm: str, twi
     known = proxy.servers_known()
     assert known[twin]["own_routes"] == ON
     assert known[thinking_vllm]["own_routes"] == ON
+
+
+def test_what_the_model_saw_is_vllms_own_render_or_refused(thinking_vllm: str) -> None:
+    """With its own routes, what the model saw is its render route's ids of the request
+    as sent (`documents` and all: its chat route renders them); without them, `/tokenize`
+    would drop `documents`, so the continuation is refused naming it."""
+    body = {**chat_body(LONG, model=SERVED_NAME), "documents": [{"title": "t", "text": "x"}]}
+
+    async def saw(routes: bool) -> Prompt:
+        async with httpx.AsyncClient(base_url=thinking_vllm, timeout=30) as client:
+
+            async def ask(path: str, asked: dict) -> dict:
+                return (await client.post(path, json=asked)).raise_for_status().json()
+
+            terms = VllmTerms(thinking_vllm, ask, SERVED_NAME, body, Transcript(), 1024, routes)
+            return await terms.saw()
+
+    rendered = httpx.post(f"{thinking_vllm}/v1/chat/completions/render", json=body).json()
+    assert asyncio.run(saw(True)).ids == tuple(rendered["token_ids"])
+    with pytest.raises(NotRendered, match="does not render documents"):
+        asyncio.run(saw(False))
 
 
 def test_a_cut_inside_the_reasoning_goes_on_inside_it(
