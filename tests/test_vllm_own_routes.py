@@ -73,6 +73,14 @@ def twin(thinking_vllm: str, server_logs: Path) -> Iterator[str]:
     relay.stop()
 
 
+@pytest.fixture(scope="module")
+def third(thinking_vllm: str, server_logs: Path) -> Iterator[str]:
+    """The same vLLM under a third address."""
+    relay = Relay(thinking_vllm, log_dir=server_logs, every_route=True).start()
+    yield relay.url
+    relay.stop()
+
+
 def direct(url: str, body: dict) -> dict:
     """vLLM's own whole answer to `body`, asked of it directly."""
     asked = {**body, "stream": False}
@@ -133,6 +141,27 @@ def test_a_cut_inside_the_reasoning_goes_on_inside_it(
     assert "".join(stream.thoughts) == whole["reasoning"]
     fields = {k for c in stream.chunks for ch in c["choices"] for k in ch.get("delta") or {}}
     assert "reasoning" in fields and "reasoning_content" not in fields
+
+
+def test_a_continuation_cut_again_goes_on_from_its_ids_too(
+    start_proxy, thinking_vllm: str, twin: str, third: str
+) -> None:
+    """Cut inside the reasoning, then cut again after it closed: the second leg, read
+    through vLLM's derender, brought its ids too (asked of the derender, taken out
+    again), so the third goes on from every id and the whole answer is vLLM's own."""
+    proxy = start_proxy(thinking_vllm, [twin, third])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, **CLOSES_REASONING)
+    stream = read_stream(
+        proxy.url, body, timeout=300,
+        on_chunk=lambda n: n in (10, 40) and httpx.post(f"{proxy.url}/spillover/handoff"),
+    )  # fmt: skip
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 2 and all("replayed as token ids" in n for n in stream.notes)
+    assert not any("token_ids" in ch for c in stream.chunks for ch in c["choices"])
+    message = direct(thinking_vllm, body)["choices"][0]["message"]
+    reasoning, content = "".join(stream.thoughts), "".join(stream.segments)
+    assert (reasoning, content) == (message["reasoning"], message["content"])
 
 
 def test_a_cut_after_the_reasoning_closed_goes_on_as_content(

@@ -149,6 +149,8 @@ class ChunkRewriter:
                     del delta["content"]
             if delta or choice.get("text") or choice.get("finish_reason") is not None:
                 keep = True
+            elif choice.get("token_ids"):
+                keep = True  # ids whose text is held or hidden (vLLM's): the count needs them
         if chunk.get("usage"):
             chunk["usage"] = self._whole_answer_usage(chunk["usage"])
             keep = True

@@ -204,7 +204,8 @@ class NextLeg:
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
             return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
-                             info.slot_context, parses(info))  # fmt: skip
+                             info.slot_context, parses(info),
+                             self.asks_ids and self._first_engine() == vllm.ENGINE)  # fmt: skip
         if info.continues_by == RENDERED.name and (template := servers.templates.get(upstream)):
             continued = self._text_continuation(upstream)
             return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript)

@@ -69,10 +69,13 @@ class VllmTerms:
         transcript: Transcript,
         context: int | None,
         routes: bool = False,
+        ids: bool = False,
     ) -> None:
         """`model`: the name it serves its model by; `context`: its tokens per request,
         where known (a text completion is not sent without it); `routes`: it serves its
-        own render, generate and derender routes (servers/vllm_routes.py)."""
+        own render, generate and derender routes (servers/vllm_routes.py); `ids`: the
+        answer's chunks carry their token ids (taken out again where the client did not
+        ask), which a leg through those routes then asks its derender for too."""
         self.url = url
         self._ask = ask
         self._named = {"model": model} if model else {}
@@ -81,6 +84,7 @@ class VllmTerms:
         self._context = context
         # Its render of the original request, where it serves its own routes (else None).
         self._rendered: dict[str, Any] | None = {} if routes else None
+        self._ids = {"return_token_ids": True} if ids else {}
 
     async def saw(self) -> Prompt:
         if self._rendered is not None:
@@ -140,7 +144,7 @@ class VllmTerms:
         left = self._context - len(prompt) if limit is None else limit - self._transcript.produced
         body = generate_body(self._rendered, prompt, max(1, left))
         plain = ChunkRewriter(self._transcript, "", False)
-        original = {**self._original, **self._named}
+        original = {**self._original, **self._named, **self._ids}
         derendered = Derendered(self._ask, self._named.get("model"), original, prompt, plain)
         return GENERATE, body, derendered
 

@@ -21,7 +21,9 @@ from addon.servers.vllm_routes import DERENDER, GENERATE
 
 SEP = sse.TERMINATOR
 # What a derendered chunk carries that vLLM's own chat chunk leaves out when empty.
-_EMPTY_EXTRAS = ("prompt_token_ids", "prompt_text", "metrics", "system_fingerprint")
+_EMPTY_EXTRAS = ("metrics", "system_fingerprint")
+# The continuation's own prompt, which is not the client's.
+_PROMPT = ("prompt_token_ids", "prompt_text")
 
 
 def generate_body(rendered: dict[str, Any], prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -90,11 +92,13 @@ class Derendered:
 
 
 def _tidy(chunk: dict[str, Any]) -> dict[str, Any]:
-    """A derendered chunk as vLLM's chat route writes one: no empty delta fields, extras
-    or per-choice ids left null."""
+    """A derendered chunk as vLLM's chat route writes one after its first: no prompt, no
+    empty delta fields, extras or per-choice ids left null."""
     for name in _EMPTY_EXTRAS:
         if chunk.get(name) is None:
             chunk.pop(name, None)
+    for name in _PROMPT:
+        chunk.pop(name, None)
     for choice in chunk.get("choices") or ():
         if choice.get("token_ids") is None:
             choice.pop("token_ids", None)
