@@ -138,6 +138,10 @@ class FakeUpstream:
             if head.startswith(b"POST /apply-template "):
                 conn.sendall(json_response({"prompt": chatml(json.loads(body)["messages"])}))
                 return
+            if head.startswith(b"POST /tokenize "):  # a character a token, no special ones
+                text = json.loads(body)["content"]
+                conn.sendall(json_response({"tokens": [{"id": ord(c), "piece": c} for c in text]}))
+                return
             if not head.startswith(b"POST "):
                 conn.sendall(NOT_FOUND)
                 return
