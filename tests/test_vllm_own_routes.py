@@ -14,6 +14,8 @@ splits them."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +103,12 @@ def test_vllm_says_it_serves_its_own_routes(start_proxy, thinking_vllm: str, twi
     known = proxy.servers_known()
     assert known[twin]["own_routes"] == ON
     assert known[thinking_vllm]["own_routes"] == ON
+    said = subprocess.run(
+        [sys.executable, "-m", "scripts.doctor", "--servers", f"{thinking_vllm},{twin}"],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert f"{twin}: vllm; continues an answer" in said
+    assert said.count(f"vLLM's own routes: {ON}") == 2, said
 
 
 def test_what_the_model_saw_is_vllms_own_render_or_refused(thinking_vllm: str) -> None:
