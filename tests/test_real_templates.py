@@ -29,7 +29,7 @@ import pytest
 from addon.answer.fleet import Fleet
 from addon.formats.chat import Chat
 from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
-from addon.handoff import seen
+from addon.handoff import placing, seen
 from addon.handoff.nextleg import CannotContinue, NextLeg
 from addon.servers.directory import ServerDirectory
 from addon.servers.upstream import Upstream
@@ -137,9 +137,15 @@ BROKEN_BEFORE = [
 
 def test_without_the_check_these_templates_continue_wrongly(served, monkeypatch) -> None:
     """The comparison is what keeps the cases above right: with it turned off (every
-    trailing message taken as rendering the truth), templates the issue found corrupt
-    continue from prompts the model never saw, and this harness says so."""
+    trailing message taken as rendering the truth, where it lands taken as the truth's
+    own place), templates the issue found corrupt continue from prompts the model never
+    saw, and this harness says so."""
+
+    async def placed_anyway(render, chat, truth, reasoning_open):
+        return chat, ""
+
     monkeypatch.setattr(seen, "parting", lambda rendered, expected: None)
+    monkeypatch.setattr(placing, "placed", placed_anyway)
     by_name = {template.stem: template for template in templates()}
     for name in BROKEN_BEFORE:
         server = served(by_name[name])
