@@ -85,7 +85,7 @@ def third(thinking_vllm: str, server_logs: Path) -> Iterator[str]:
 
 def direct(url: str, body: dict) -> dict:
     """vLLM's own whole answer to `body`, asked of it directly."""
-    asked = {**body, "stream": False}
+    asked = {**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False}
     return httpx.post(f"{url}/v1/chat/completions", json=asked, timeout=300).json()
 
 
@@ -159,7 +159,8 @@ def test_a_continuation_cut_again_goes_on_from_its_ids_too(
     again), so the third goes on from every id and the whole answer is vLLM's own."""
     proxy = start_proxy(thinking_vllm, [twin, third])
     proxy.servers_known()
-    body = chat_body(LONG, model=SERVED_NAME, **CLOSES_REASONING)
+    usage = {"stream_options": {"include_usage": True}}
+    body = chat_body(LONG, model=SERVED_NAME, **CLOSES_REASONING, **usage)
     stream = read_stream(
         proxy.url, body, timeout=300,
         on_chunk=lambda n: n in (10, 40) and httpx.post(f"{proxy.url}/spillover/handoff"),
@@ -167,9 +168,16 @@ def test_a_continuation_cut_again_goes_on_from_its_ids_too(
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 2 and all("replayed as token ids" in n for n in stream.notes)
     assert not any("token_ids" in ch for c in stream.chunks for ch in c["choices"])
-    message = direct(thinking_vllm, body)["choices"][0]["message"]
+    whole = direct(thinking_vllm, body)
+    message = whole["choices"][0]["message"]
     reasoning, content = "".join(stream.thoughts), "".join(stream.segments)
     assert (reasoning, content) == (message["reasoning"], message["content"])
+    # Usage for the whole answer, the client's own prompt as vLLM counts it.
+    (counted,) = [c["usage"] for c in stream.chunks if c.get("usage")]
+    assert (counted["prompt_tokens"], counted["completion_tokens"]) == (
+        whole["usage"]["prompt_tokens"],
+        LONG,
+    )
 
 
 def test_a_cut_after_the_reasoning_closed_goes_on_as_content(

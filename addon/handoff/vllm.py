@@ -145,8 +145,9 @@ class VllmTerms:
         body = generate_body(self._rendered, prompt, max(1, left))
         plain = ChunkRewriter(self._transcript, "", False)
         original = {**self._original, **self._named, **self._ids}
-        derendered = Derendered(self._ask, self._named.get("model"), original, prompt, plain)
-        return GENERATE, body, derendered
+        asked = len(self._rendered["token_ids"])
+        named = self._named.get("model")
+        return GENERATE, body, Derendered(self._ask, named, original, prompt, plain, asked)
 
     def _completion(self, prompt: list[int]) -> Leg | None:
         if self._context is None:

@@ -50,13 +50,15 @@ class Derendered:
         chat: dict[str, Any],
         prompt: list[int],
         rewriter: ChunkRewriter,
+        asked: int,
     ) -> None:
         """`chat`: the client's original request, as vLLM's parsers are to read it (its
         `return_token_ids` included: the derendered chunks then carry them); `prompt`:
-        the ids the leg goes on from."""
+        the ids the leg goes on from; `asked`: how many of them are the client's own
+        prompt (its usage's `prompt_tokens`; the rest is the answer replayed)."""
         self._ask = ask
         self._fixed = {
-            "stream": True, "prompt_token_ids": prompt, "prompt_tokens": len(prompt),
+            "stream": True, "prompt_token_ids": prompt, "prompt_tokens": asked,
             "chat_request": {**chat, "model": model} if model else chat,
             **({"model": model} if model else {}),
         }  # fmt: skip
