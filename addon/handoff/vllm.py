@@ -4,6 +4,10 @@ text: what its model saw is those ids of the original request, and a trailing me
 is compared with the truth as ids too. Its text route (`/v1/completions`) takes a
 prompt of ids.
 
+Where it serves its own routes (servers/vllm_routes.py), what its model saw is its render
+route's ids of the request as sent, and a continuation is the truth's ids through its
+generate route, read by its own parsers (handoff/vllm_generate.py): nothing to compare.
+
 Between two vLLM servers of one tokenizer an answer goes on from its very token ids:
 the first leg is asked for them (`return_token_ids`, taken out again unless the client
 asked for them). vLLM holds back text (half of a character, the start of a stop string)
