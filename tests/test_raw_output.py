@@ -24,7 +24,8 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from tests.chat_shapes import SHAPES
 from tests.streams import assert_one_clean_stream, read_stream
-from tests.test_splice import handoff_after
+from tests.test_splice import handoff, handoff_after
+from tests.throttle import Throttled
 
 ANSWER = 40
 CUT = 12
@@ -172,8 +173,18 @@ def test_what_the_model_wrote_stays_known_after_the_first_handoff(
     proxy.servers_known()
     body = {**SHAPES["plain"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
     wrote = pieces(first, body)
-    cuts = handoff_after(proxy, CUT, hold=first), handoff_after(proxy, 2 * CUT, hold=middle)
-    stream = read_stream(proxy.url, body, on_chunk=lambda n: [cut(n) for cut in cuts])
+    first_cut = handoff_after(proxy, CUT, hold=first)
+    # The first fallback throttled, as on a slow card: unthrottled it writes the rest to
+    # the proxy before a loaded machine's client reads the chunk the second cut waits for.
+    with Throttled(middle.pid) as slowed:
+
+        def cut(n: int) -> None:
+            first_cut(n)
+            if n == 2 * CUT:
+                with slowed.held():
+                    handoff(proxy, reason="test pressure")
+
+        stream = read_stream(proxy.url, body, on_chunk=cut)
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 2, stream.notes
     said, then = stream.segment_tokens[:2]
