@@ -6,7 +6,8 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
     python -m scripts.testbed.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
 
-With "logprobs": true each chunk carries its token's id, as llama-server's do (and with
+With "logprobs": true (or llama.cpp's own "n_probs": 1) each chunk carries its token's id,
+as llama-server's do (and with
 "timings_per_token": true its `timings`); with
 "big_event_mib": N the stream's 10th event carries N MiB of text (the big-event benchmark).
 It also
@@ -100,7 +101,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             if path in ABOUT or head.startswith(b"GET"):
                 respond(writer, served if path == "/bench/requests" else ABOUT.get(path, "ok"))
                 continue
-            ids = body.get("logprobs") is True
+            ids = body.get("logprobs") is True or int(body.get("n_probs") or 0) > 0
             timed = body.get("timings_per_token") is True
             served["streams"] += 1
             served["with_ids"] += ids
