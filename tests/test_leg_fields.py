@@ -21,19 +21,29 @@ QWEN3 = "Qwen-Qwen3-0.6B"
 NEMO = "mistralai-Mistral-Nemo-Instruct-2407"
 
 
+def templated_pair(
+    start_server: Callable[..., LlamaServer],
+    start_proxy: Callable[..., Mitmdump],
+    template: str,
+    *args: str,
+) -> tuple[LlamaServer, LlamaServer, Mitmdump]:
+    """The tiny primary and fallback, both on one of llama.cpp's real templates, behind a
+    proxy that knows them both."""
+    path = {t.stem: t for t in templates()}[template]
+    served = ["--jinja", "--chat-template-file", str(path), *args]
+    first = start_server("primary", extra_args=served)
+    second = start_server("fallback", extra_args=served)
+    proxy = start_proxy(first.url, [second.url])
+    proxy.servers_known()
+    return first, second, proxy
+
+
 def test_a_text_leg_sends_no_logprobs_the_client_did_not_ask_for(
     start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
 ) -> None:
     """The client set `timings_per_token` itself, so the first leg asks for no pieces
     (nothing to take out again); the native leg must not ask for them either."""
-    template = {t.stem: t for t in templates()}[QWEN3]
-    args = ["--jinja", "--chat-template-file", str(template)]
-    first, second = (
-        start_server("primary", extra_args=args),
-        start_server("fallback", extra_args=args),
-    )
-    proxy = start_proxy(first.url, [second.url])
-    proxy.servers_known()
+    first, _, proxy = templated_pair(start_server, start_proxy, QWEN3)
     body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0,
             "timings_per_token": True}  # fmt: skip
     stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 8 and first.kill())
@@ -93,14 +103,7 @@ def test_a_logprobs_client_s_ids_are_replayed_only_when_none_were_held_back(
     that token's id alone. The held id never reached the client, so the answer's ids
     are not whole: the fallback (the same vocabulary) must go on from the text, as its
     own continuation of what the model wrote, not from ids one token short."""
-    template = {t.stem: t for t in templates()}[NEMO]
-    args = ["--jinja", "--chat-template-file", str(template), "--ubatch-size", "32"]
-    first, second = (
-        start_server("primary", extra_args=args),
-        start_server("fallback", extra_args=args),
-    )
-    proxy = start_proxy(first.url, [second.url])
-    proxy.servers_known()
+    first, second, proxy = templated_pair(start_server, start_proxy, NEMO, "--ubatch-size", "32")
     body = {**SHAPES["plain"], "max_tokens": 300, "stream": True, "temperature": 0,
             "logprobs": True, "stop": [" three xyz"]}  # fmt: skip
     stream = read_stream(proxy.url, body, on_chunk=lambda n: n == 6 and first.kill())

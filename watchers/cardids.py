@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-REMOTE_PREFIX = "prom:"  # a remote card: known only once Prometheus answers
+from watchers.exporters import REMOTE_PREFIX  # a remote card: known once Prometheus answers
+
 CUDA = re.compile(r"^(?:cuda|gpu|device)[:=]?(\d+)$", re.IGNORECASE)
 
 

@@ -124,13 +124,7 @@ def limits_from(options: Any) -> PaceLimits:
 class Pace:
     """One leg's progress: when bytes last came, and its events over time."""
 
-    def __init__(
-        self,
-        started: float,
-        limits: PaceLimits,
-        on_first: Callable[[float], None] = lambda _: None,
-    ) -> None:
-        """`on_first(seconds)`: the first event came, this long after the leg started."""
+    def __init__(self, started: float, limits: PaceLimits) -> None:
         self.limits = limits
         self.first_token_s = limits.first_token_s  # this leg's (see `first_token_deadline`)
         self.started = started
@@ -138,7 +132,8 @@ class Pace:
         self.last = started  # when the last bytes came
         self.events = 0
         self.asking: asyncio.Future[None] | None = None  # is it still reading? (being asked)
-        self.on_first = on_first
+        # Told the first event came, this long after the leg started.
+        self.on_first: Callable[[float], None] = lambda _: None
         self._samples: deque[tuple[float, int]] = deque()
 
     def saw(self, now: float, events: int = 0) -> None:

@@ -12,6 +12,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from watchers.nvml import NvmlSource
+
 BUS_ID = re.compile(r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-7])$")
 
 
@@ -101,12 +103,8 @@ def cuda_index(card: str) -> tuple[int, str]:
             raise ValueError(f"{card}: CUDA sees {len(cuda)} card(s) here")
         return index, f"{card} (PCI {cuda[index]})"
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        nvml = nvml_bus_ids(handles)
-    except Exception as exc:  # no NVML, or a driver that will not answer
+        nvml = nvml_bus_ids(NvmlSource().handles)
+    except Exception as exc:  # no NVML (NotApplicable), or a driver that will not answer
         raise ValueError(f"{card}: NVML cannot number the cards here ({exc})") from None
     if index >= len(nvml):
         raise ValueError(f"{card}: NVML sees {len(nvml)} card(s) here")
