@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -35,25 +35,50 @@ QWEN35 = "Qwen3.5-4B"
 R1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
 
 
-def pieces(server: LlamaServer, body: dict[str, Any]) -> list[bytes]:
-    """Each generated token's bytes, in order, as the server itself gives them."""
+class Piece(NamedTuple):
+    id: int
+    bytes: bytes
+
+
+def pieces(server: LlamaServer, body: dict[str, Any]) -> list[Piece]:
+    """Each generated token, in order, as the server itself gives it."""
     asked = {**body, "n_probs": 1, "post_sampling_probs": True}
-    found: list[bytes] = []
+    found: list[Piece] = []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=asked, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
                     for entry in (choice.get("logprobs") or {}).get("content") or ():
-                        found.append(bytes(entry["bytes"]))
+                        found.append(Piece(entry["id"], bytes(entry["bytes"])))
     return found
 
 
-def own_continuation(server: LlamaServer, body: dict[str, Any], wrote: str, left: int) -> str:
+def text_of(wrote: list[Piece]) -> str:
+    return b"".join(piece.bytes for piece in wrote).decode()
+
+
+def truth(server: LlamaServer, body: dict[str, Any], wrote: list[Piece], note: str) -> list:
+    """`server`'s rendering of `body`, then what the model wrote, the way the handoff
+    note says the proxy replayed it: as token ids, or else as text, which `server`
+    tokenizes its own way (a tiny random model often writes a word in other pieces)."""
+    if "replayed as token ids" in note:
+        return [rendered(server, body), *(piece.id for piece in wrote)]
+    return [rendered(server, body) + text_of(wrote)]
+
+
+def continued(server: LlamaServer, prompt: list, count: int) -> list[Piece]:
+    """What `server` writes after `prompt` (text and token ids), asked directly."""
+    body = {"prompt": prompt, "n_predict": count, "temperature": 0, "cache_prompt": False,
+            "n_probs": 1, "post_sampling_probs": True}  # fmt: skip
+    reply = httpx.post(f"{server.url}/completion", json=body, timeout=60).json()
+    return [Piece(e["id"], bytes(e["bytes"])) for e in reply["completion_probabilities"]]
+
+
+def own_continuation(
+    server: LlamaServer, body: dict[str, Any], wrote: list[Piece], note: str, left: int
+) -> str:
     """What `server` writes after its rendering of `body` and `wrote`, asked directly."""
-    request = {k: v for k, v in body.items() if k != "stream"}
-    saw = httpx.post(f"{server.url}/apply-template", json=request).json()["prompt"]
-    native = {"prompt": saw + wrote, "n_predict": left, "temperature": 0, "cache_prompt": False}
-    return httpx.post(f"{server.url}/completion", json=native, timeout=60).json()["content"]
+    return text_of(continued(server, truth(server, body, wrote, note), left))
 
 
 @pytest.fixture
@@ -93,10 +118,9 @@ def test_the_fallback_goes_on_from_what_the_model_wrote(
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and "handoff" in stream.notes[0], stream.notes
     said = stream.segment_tokens[0]
-    raw = b"".join(wrote[:said]).decode()
     before = stream.thoughts[0] if field == "reasoning" else stream.segments[0]
-    assert raw.lstrip() == before.lstrip()
-    expected = own_continuation(second, body, raw, ANSWER - said)
+    assert text_of(wrote[:said]).lstrip() == before.lstrip()
+    expected = own_continuation(second, body, wrote[:said], stream.notes[0], ANSWER - said)
     after = {"reasoning": stream.thoughts[1], "content": stream.segments[1]}
     assert after.pop(field) == expected and expected
     assert list(after.values()) == [""], "the rest stays in the field it was in"
@@ -144,14 +168,6 @@ def test_tools_offered_where_no_route_reads_the_truth_end_in_band_with_the_reaso
     assert stream.segments[0] and stream.done == 0
 
 
-def native_pieces(server: LlamaServer, prompt: str, count: int) -> list[bytes]:
-    """The bytes of each token `server` writes after `prompt`, asked directly."""
-    body = {"prompt": prompt, "n_predict": count, "temperature": 0, "cache_prompt": False,
-            "n_probs": 1, "post_sampling_probs": True}  # fmt: skip
-    reply = httpx.post(f"{server.url}/completion", json=body, timeout=60).json()
-    return [bytes(entry["bytes"]) for entry in reply["completion_probabilities"]]
-
-
 def rendered(server: LlamaServer, body: dict[str, Any]) -> str:
     request = {k: v for k, v in body.items() if k != "stream"}
     return httpx.post(f"{server.url}/apply-template", json=request).json()["prompt"]
@@ -188,8 +204,9 @@ def test_what_the_model_wrote_stays_known_after_the_first_handoff(
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 2, stream.notes
     said, then = stream.segment_tokens[:2]
-    raw = b"".join(wrote[:said]).decode()
-    raw += b"".join(native_pieces(middle, rendered(middle, body) + raw, then)).decode()
-    assert stream.thoughts[0] + stream.thoughts[1] != raw and not "".join(stream.segments)
-    expected = own_continuation(last, body, raw, ANSWER - said - then)
+    raw = wrote[:said]
+    raw += continued(middle, truth(middle, body, raw, stream.notes[0]), then)
+    assert stream.thoughts[0] + stream.thoughts[1] != text_of(raw)
+    assert not "".join(stream.segments)
+    expected = own_continuation(last, body, raw, stream.notes[1], ANSWER - said - then)
     assert stream.thoughts[2] == expected and expected

@@ -22,6 +22,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import reasoning_template
 from tests.streams import PROMPT, assert_one_clean_stream, chat_body, read_stream
+from tests.test_raw_output import pieces, rendered, text_of
 from tests.test_splice import handoff_after
 
 ANSWER = 240
@@ -63,6 +64,7 @@ RESOLUTION = 0.05
 # A push this far from both edges of its step is not moved across one by the engine's
 # batch variance (near-tie flips have been seen at gaps up to 0.06).
 MARGIN = 0.15
+CLOSE = "</think>"
 
 
 @dataclass(frozen=True)
@@ -271,18 +273,28 @@ def after_echo(text: str, prefill: str) -> str:
 def test_reasoning_cut_midway_goes_on_and_the_content_follows_in_its_field(
     thinkers: Thinkers, cut_after: int
 ) -> None:
-    """Same model both sides: the fallback reasons on from the cut, closes the reasoning
-    where the primary would have, and its answer arrives as content: field for field the
-    uninterrupted answer."""
+    """Same model both sides: the fallback reasons on from what the primary wrote up to the
+    cut, closes the reasoning where its own continuation of that text does, and its answer
+    arrives as content. (Not compared with the uninterrupted answer: replayed as text, the
+    words are read in the fallback's own pieces, which a tiny random model can follow
+    differently at a near tie.)"""
+    first, second = thinkers.first, thinkers.second
     request = thinkers.body(LONG_THOUGHT)
-    whole = answer(thinkers.first.url, request)
-    on_chunk = handoff_after(thinkers.proxy, cut_after, hold=thinkers.first)
+    wrote = pieces(first, {**request, "stream": True})
+    on_chunk = handoff_after(thinkers.proxy, cut_after, hold=first)
     stream = read_stream(thinkers.proxy.url, request, on_chunk=on_chunk)
     assert_one_clean_stream(stream)
     assert "replayed as text" in stream.notes[0]
     assert stream.segments[0] == "" and stream.thoughts[0], "cut while the primary reasoned"
-    assert "".join(stream.thoughts) == whole["reasoning"]
-    assert stream.text == whole["content"] and stream.segments[1]
+    said = stream.segment_tokens[0]
+    assert stream.thoughts[0] == text_of(wrote[:said])
+    saw = rendered(second, request) + text_of(wrote[:said])
+    native = {"prompt": saw, "n_predict": ANSWER - said, "temperature": 0,
+              "cache_prompt": False, "logit_bias": request["logit_bias"]}  # fmt: skip
+    own = httpx.post(f"{second.url}/completion", json=native, timeout=60).json()["content"]
+    reasoning, closed, content = own.partition(CLOSE)
+    assert closed and content, f"the fallback's own continuation never answers: {own!r}"
+    assert stream.thoughts[1] == reasoning and stream.segments[1] == content
     assert sum(stream.segment_tokens) == ANSWER - 1  # </think> was a token, without a delta
 
 
