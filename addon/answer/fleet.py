@@ -14,6 +14,7 @@ from pathlib import Path
 
 from addon.answer.pace import FirstEvents, PaceLimits
 from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
+from addon.handoff import translated
 from addon.handoff.migration import Migrator
 from addon.handoff.shadow import Shadows
 from addon.servers.credentials import Credentials
@@ -22,6 +23,8 @@ from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
 from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
+
+COMPARED = ("chat", *translated.CHECKED)  # APIs whose continuations are compared per answer
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,16 @@ class Fleet:
         the message alone (continue_final_message, a rendered prompt) is chat's, proven on
         chat: another API's request cannot take it."""
         info = self.servers.get(server)
-        by_message = info.continues_by == TRAILING_MESSAGE.name or (
-            info.continues_by == OWN_RENDERING.name and info.trailing_left_open
+        # A chat, Messages or Responses answer's prompt is compared with the truth on
+        # llama-server each time (handoff/builder.py, handoff/translated.py): there a
+        # trailing message that the start-up proof found rendered otherwise is tried, and
+        # refused in-band where this answer's prompt parts from the truth.
+        checked = (
+            dialect in COMPARED and info.engine in RENDERS_ON_ASKING and info.proof == "engine"
         )
-        # A chat answer's prompt is compared with the truth on llama-server each time.
-        checked = dialect == "chat" and info.engine in RENDERS_ON_ASKING and info.proof == "engine"
+        by_message = info.continues_by == TRAILING_MESSAGE.name or (
+            info.continues_by == OWN_RENDERING.name and checked
+        )
         return (
             info.continues is True
             and (by_message or dialect == "chat")

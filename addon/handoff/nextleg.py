@@ -11,7 +11,7 @@ from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILI
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.startover import StartOverGuard
 from addon.formats.transcript import Transcript
-from addon.handoff import vllm, vocabids
+from addon.handoff import translated, vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
 from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
@@ -130,7 +130,32 @@ class NextLeg:
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
+        if terms is None and replay and self._checked_as_chat(upstream):
+            await self._check_as_chat(upstream, body)
         return path, body, rewriter, replay
+
+    def _checked_as_chat(self, upstream: Upstream) -> bool:
+        """Whether this answer's continuation on `upstream` is checked as the chat request
+        its API's route makes of it (a Messages or Responses answer, on a llama-server
+        proven by its routes: handoff/translated.py)."""
+        info = self._servers.get(upstream) if self._servers else None
+        return (
+            info is not None
+            and self.dialect.name in translated.CHECKED
+            and info.engine in RENDERS_ON_ASKING
+            and info.proof == "engine"
+        )
+
+    async def _check_as_chat(self, upstream: Upstream, body: dict[str, Any]) -> None:
+        """Raises CannotContinue where `upstream` would not read `body` as exactly what
+        the model saw and wrote (handoff/translated.py)."""
+        servers = self._servers
+        assert servers is not None
+        await translated.check(
+            self.dialect.name, upstream.url, lambda chat: servers.rendering(upstream, chat),
+            servers.asker(upstream), self.body, body, self.transcript,
+            router=servers.get(upstream).engine != "llama-server",
+        )  # fmt: skip
 
     def _sampled_otherwise(self, upstream: Upstream) -> str | None:
         """Why a vLLM `upstream` would sample the rest otherwise (handoff/sampling.py)."""

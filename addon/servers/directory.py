@@ -254,7 +254,6 @@ class ServerDirectory(PromptQuestions):
                 info.continues, info.continues_why = found.continues, found.why
                 info.continues_by = found.continuer.name if found.continuer else None
                 info.trims_whitespace = found.trims
-                info.trailing_left_open = found.left_open
                 info.echoes_prefill = found.echoes
                 if found.continues:
                     info.proof = "behaviour" if found.by_behaviour else "engine"

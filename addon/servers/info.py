@@ -35,9 +35,6 @@ class ServerInfo:
     continues_why: str = "not checked yet"
     # Its way of continuing drops an answer's trailing whitespace (proof.py).
     trims_whitespace: bool = False
-    # Its trailing message renders otherwise than the model saw, but leaves the message
-    # open (proof.py): other APIs' answers, which are not compared, may go on there.
-    trailing_left_open: bool = False
     # How it is known to continue: "engine" (its own routes say what it reads, or count
     # it), "behaviour" (a probe through its chat route alone: servers/behaviour.py) or
     # "declared" (its operator's word, spillover_continue_by, not proven).

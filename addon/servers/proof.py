@@ -66,9 +66,6 @@ class Proof:
     # It drops an answer's trailing whitespace (its template trims the message): it may
     # not continue an answer whose delivered text ends in whitespace.
     trims: bool = False
-    # llama-server whose trailing message is not the truth still leaves it open (its text
-    # last): what other APIs' continuations, which cannot be compared, are held to.
-    left_open: bool = False
     # Known from how it behaved through its chat route alone (servers/behaviour.py): a
     # continuation there is checked by its first words only (formats/startover.py).
     by_behaviour: bool = False
@@ -176,9 +173,7 @@ async def _rendered_open(ask: Ask, model: str | None) -> Proof:
     trims = continued == truth + PARTIAL
     if not trims and (why := _parted(continued, truth + SPACED)) is not None:
         why = f"{TEXT_ROUTE} (a trailing assistant message {why})"
-        left_open = continued.endswith((SPACED, PARTIAL))
-        return Proof(True, why, OWN_RENDERING, trims=not continued.endswith(SPACED),
-                     left_open=left_open)  # fmt: skip
+        return Proof(True, why, OWN_RENDERING, trims=not continued.endswith(SPACED))
     why = "a trailing assistant message renders what the model saw (/apply-template)"
     return Proof(True, why + (TRIMS if trims else ""), TRAILING_MESSAGE, trims=trims)
 
