@@ -157,9 +157,9 @@ def test_without_the_check_these_templates_continue_wrongly(served, monkeypatch)
 def test_the_start_up_proof_tells_the_two_ways_apart(served) -> None:
     """Llama 3.1's template renders a trailing message as the model saw it; Phi-3.5's
     renders the turn's opening otherwise. The status says which; chat answers go to
-    either (on Phi-3.5 as the truth itself, a text completion), and other APIs' answers,
-    which are not compared, where the trailing message is left open (as Phi-3.5's is:
-    see docs/limits.md)."""
+    either (on Phi-3.5 as the truth itself, a text completion), and Messages answers to
+    either too, each compared there before it is sent (handoff/translated.py; on
+    Phi-3.5 refused: tests/test_checked_apis.py shows it on Qwen3's)."""
     by_name = {template.stem: template for template in templates()}
 
     async def proven(server: LlamaServer) -> tuple[str | None, str, bool, bool]:

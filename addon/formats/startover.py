@@ -21,9 +21,16 @@ class NotAContinuation(Exception):
     """A continuation leg's text shows it is not the answer going on; the message says why."""
 
 
+def checkable(answer: str) -> bool:
+    """Whether `answer` is long enough for a continuation's first words to be told from
+    the answer started over (a shorter opening could begin a real continuation too)."""
+    return len(answer.lstrip()) >= COMPARED
+
+
 class StartOverGuard:
-    """Wraps a chat continuation's rewriter: chunks are held until the leg's text is long
-    enough to judge (or the leg ends), then let out as one. Raises NotAContinuation."""
+    """Wraps a chat continuation's rewriter (of an answer `checkable`): chunks are held
+    until the leg's text is long enough to judge (or the leg ends), then let out as one.
+    Raises NotAContinuation."""
 
     def __init__(self, rewriter: Rewriter, answer: str, server: str) -> None:
         self._rewriter = rewriter
@@ -31,7 +38,7 @@ class StartOverGuard:
         self._server = server
         self._held: list[dict[str, Any]] = []
         self._text = ""
-        self._decided = len(self._opening) < COMPARED  # too little answer to compare with
+        self._decided = False
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         chunk = self._rewriter.rewrite(chunk)

@@ -9,7 +9,7 @@ from typing import Any
 from addon.formats.continuation import prefill_of
 from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILING_MESSAGE
 from addon.formats.dialect import Dialect, Rewriter
-from addon.formats.startover import StartOverGuard
+from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
 from addon.handoff import translated, vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
@@ -125,14 +125,26 @@ class NextLeg:
             replay = "text" if self.transcript.content or self.transcript.reasoning else None
             if replay and (proof := self._unproven(upstream)) is not None:
                 replay += f", {UNPROVEN[proof]}"
-                if self.dialect.name == "chat" and self.transcript.content:
-                    rewriter = StartOverGuard(rewriter, self.transcript.text, upstream.url)
+                rewriter = self._first_words_held(upstream, rewriter, proof)
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         if terms is None and replay and self._checked_as_chat(upstream):
             await self._check_as_chat(upstream, body)
         return path, body, rewriter, replay
+
+    def _first_words_held(self, upstream: Upstream, rewriter: Rewriter, proof: str) -> Rewriter:
+        """`rewriter` holding the continuation's first words on `upstream`, which cannot be
+        asked what it reads, until they show it went on (formats/startover.py). Raises
+        CannotContinue where they cannot show it: another API's events, or an answer too
+        short to tell a continuation from the answer started over."""
+        if self.dialect.name != "chat":
+            why = f"first words are checked in chat answers only, not {self.dialect.name}"
+        elif not checkable(self.transcript.text):
+            why = f"the answer so far is under {COMPARED} characters: too short to check"
+        else:
+            return StartOverGuard(rewriter, self.transcript.text, upstream.url)
+        raise CannotContinue(f"{upstream.url} is {UNPROVEN[proof]}, and {why}")
 
     def _checked_as_chat(self, upstream: Upstream) -> bool:
         """Whether this answer's continuation on `upstream` is checked as the chat request
