@@ -16,6 +16,9 @@ continuation goes on from the truth and from nothing else:
   of the reasoning, to the client as text);
 - else not at all: CannotContinue, saying where the prompts part.
 
+A request that holds media (an image, audio) goes by none of the ways of ids or text:
+only a chat route carries its pictures to the next server (handoff/media.py).
+
 Each engine's terms are one module (handoff/llama_server.py, vllm.py,
 llama_cpp_python.py); a new engine is one more.
 """
@@ -28,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from addon.formats.dialect import Rewriter
 from addon.formats.transcript import Transcript
-from addon.handoff import seen
+from addon.handoff import media, seen
 from addon.servers.prompts import NotRendered
 
 Leg = tuple[str, dict[str, Any], Rewriter]  # path, body, how its chunks are rewritten
@@ -132,7 +135,8 @@ async def build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[Le
 async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[Leg, str]:
     transcript = answer.transcript
     saw = await terms.saw()
-    if ids is not None and (leg := terms.ids_leg(saw, ids)) is not None:
+    pictured = media.held(answer.chat, saw.text)  # no leg of ids or text shows it
+    if ids is not None and pictured is None and (leg := terms.ids_leg(saw, ids)) is not None:
         return leg, "token ids"
     wrote = seen.written(transcript, answer.prefill)
     if transcript.reasoning and not wrote.exact:
@@ -140,7 +144,7 @@ async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[L
     if transcript.raw_lost:
         raise CannotContinue(UNSEEN.format(transcript.unseen))
     truth = await terms.truth(saw, wrote.text)
-    if isinstance(terms, Parses) and (leg := terms.parsed_leg(truth)) is not None:
+    if pictured is None and isinstance(terms, Parses) and (leg := terms.parsed_leg(truth)):
         return leg, "text"
     if isinstance(terms, Places):
         reasoning_open = bool(transcript.reasoning) and not transcript.content
@@ -152,6 +156,8 @@ async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[L
         why = await _trailing_message(terms, answer, wrote, truth)
         if not isinstance(why, str):
             return why, "text"
+    if pictured is not None:
+        raise CannotContinue(f"{why}; {media.refusal(pictured)}")
     if transcript.reasoning:
         raise CannotContinue(f"{why}; {TEXT_ROUTE_AND_REASONING}")
     if answer.tools:

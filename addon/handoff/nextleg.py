@@ -11,7 +11,7 @@ from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILI
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
-from addon.handoff import translated, vllm, vocabids
+from addon.handoff import media, translated, vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
 from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
@@ -303,10 +303,10 @@ class NextLeg:
     def _exact_ids(self, upstream: Upstream) -> list[int] | None:
         """The delivered token ids, when a continuation on `upstream` can go on from them:
         they are known and `upstream` reads them as the servers that made them meant them
-        (one vocabulary, the transcript's)."""
+        (one vocabulary, the transcript's), and the request holds no media (handoff/media.py)."""
         servers = self._servers
         said = self.transcript.content or self.transcript.reasoning
-        if not self.asks_ids or servers is None or not said:
+        if not self.asks_ids or servers is None or not said or media.held(self.body):
             return None
         if (self.transcript.reasoning or self.body.get("tools")) and not parses(
             servers.get(upstream)
