@@ -9,11 +9,17 @@ addon's loading, and mitmproxy runs on without the addon, saying nothing either.
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import functools
+import logging
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 PREFIX = "spillover_"
+log = logging.getLogger(__name__)
 
 
 def closest(name: str, known: Iterable[str]) -> str | None:
@@ -45,3 +51,31 @@ def given_twice(deferred: Mapping[str, Any]) -> list[str]:
         if name.startswith(PREFIX) and isinstance(values, list) and len(values) > 1:
             said.append(f"{name} is given {len(values)} times ({', '.join(values)}): give it once")
     return said
+
+
+def refuse_at_start(lines: Iterable[str]) -> bool:
+    """Say each line as an error while the proxy starts (mitmproxy's errorcheck then ends
+    it with status 1); False when there is none."""
+    said = False
+    for line in lines:
+        log.error("spillover: %s", line)
+        said = True
+    if said:
+        _exit_before_finalizing()
+    return said
+
+
+@functools.cache
+def _exit_before_finalizing() -> None:
+    """End that exit before Python finalizes. A mode that listens on UDP too (a reverse
+    target without a scheme is https: TCP and UDP) runs mitmproxy_rs's threads, and one
+    of them taking the GIL while the interpreter finalizes crashes it (SIGSEGV, about one
+    refused start in twenty on a loaded machine) instead of exiting with 1. Exit hooks
+    run before that point; errorcheck's status is always 1."""
+
+    def exit_now() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    atexit.register(exit_now)

@@ -30,7 +30,7 @@ from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_leg
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
-from addon.surface.mistakes import given_twice, unknown_options
+from addon.surface.mistakes import given_twice, refuse_at_start, unknown_options
 from addon.surface.siblings import PEER, add_sibling_options
 from addon.surface.status import assemble_status
 
@@ -44,11 +44,9 @@ def _refuse_to_start(mistakes: list[str]) -> bool:
     """Say each mistake in how the proxy was started; False when there is none. Errors
     logged while it starts end mitmproxy with status 1 (its errorcheck addon); shut down
     from here instead, it ended with 0, or crashed, before its listeners were up."""
-    for mistake in mistakes:
-        log.error("spillover: %s", mistake)
     if mistakes:
-        log.error("spillover: not started; fix the options above")
-    return bool(mistakes)
+        mistakes = [*mistakes, "not started; fix the options above"]
+    return refuse_at_start(mistakes)
 
 
 class Spillover:

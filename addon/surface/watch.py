@@ -14,6 +14,7 @@ from mitmproxy import ctx, exceptions
 
 from addon.handoff.record import Sensed
 from addon.servers.credentials import read_secret
+from addon.surface.mistakes import refuse_at_start
 from addon.surface.proxy import Spillover
 from watchers.cardids import unknown_cards
 from watchers.gates import PROMETHEUS, CardMap, Mapping, parse_card_map
@@ -117,7 +118,7 @@ class MemoryWatch:
         except ValueError as exc:
             if self._running:  # a change made in mitmweb's or the console's options
                 raise exceptions.OptionsError(str(exc)) from None
-            log.error("spillover: %s", exc)  # at start: one line, and mitmproxy exits 1
+            refuse_at_start([str(exc)])  # one line, and mitmproxy exits 1
             return
         if "spillover_prometheus_token" in updated:
             read_secret(ctx.options.spillover_prometheus_token)  # an unreadable file: now
@@ -129,8 +130,7 @@ class MemoryWatch:
         self._running = True
         self._start()
         if self.monitor is not None:
-            for line in self._unknown_cards():
-                log.error("spillover: %s", line)  # mitmproxy exits 1 on an error at start
+            refuse_at_start(self._unknown_cards())
 
     def _unknown_cards(self) -> list[str]:
         """The cards spillover_cards names that no source reports here (read once now)."""
