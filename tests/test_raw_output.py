@@ -13,7 +13,7 @@ is refused).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import httpx
@@ -124,6 +124,61 @@ def test_the_fallback_goes_on_from_what_the_model_wrote(
     after = {"reasoning": stream.thoughts[1], "content": stream.segments[1]}
     assert after.pop(field) == expected and expected
     assert list(after.values()) == [""], "the rest stays in the field it was in"
+
+
+def test_a_continuation_that_opens_like_the_answer_keeps_its_words(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """The fallback's continuation is asked as a placed message (`continue_final_message`),
+    which llama-server does not send back first, though it repeats a plain trailing
+    message: cut where the fallback's own next piece is how the answer began, that piece
+    is the continuation's, not an echo to take out. Cuts are asked where that holds (the
+    primary throttled); each is compared. The fallback's vocabulary is not the primary's,
+    so the answer goes as text."""
+    template = {t.stem: t for t in templates()}[NEMO]
+    args = ["--jinja", "--chat-template-file", str(template), *SAME_BATCHES]
+    first = start_server("primary", extra_args=args)
+    second = start_server("turns-fallback", extra_args=args)
+    proxy = start_proxy(first.url, [second.url])
+    asked = [
+        (body, wrote, cut)
+        for body, wrote in _answers(first)
+        for cut in range(6, LONGER - 10)
+        if _opens_like(second, body, wrote[:cut])
+    ]
+    assert asked, "no cut where the fallback goes on as the answer began"
+    bitten = 0
+    for body, wrote, cut in asked[:3]:
+        with Throttled(first.pid, run_s=0.0003, period_s=0.03) as slowed:
+
+            def on_chunk(n: int, cut: int = cut, slowed: Throttled = slowed) -> None:
+                if n == cut + 1:  # (the first chunk holds the role alone)
+                    with slowed.held():
+                        handoff(proxy, reason="test pressure")
+
+            stream = read_stream(proxy.url, body, on_chunk=on_chunk)
+        assert_one_clean_stream(stream)
+        said = stream.segment_tokens[0]
+        assert "replayed as text" in stream.notes[0], stream.notes
+        expected = own_continuation(second, body, wrote[:said], stream.notes[0], LONGER - said)
+        assert stream.segments[1] == expected and expected
+        bitten += _opens_like(second, body, wrote[:said])
+    assert bitten, "no cut landed where the fallback goes on as the answer began"
+
+
+LONGER = 80
+
+
+def _answers(server: LlamaServer) -> Iterator[tuple[dict[str, Any], list[Piece]]]:
+    for shape in ("plain", "system", "multi-turn", "content parts"):
+        body = {**SHAPES[shape], "max_tokens": LONGER, "stream": True, "temperature": 0}
+        yield body, pieces(server, body)
+
+
+def _opens_like(server: LlamaServer, body: dict[str, Any], wrote: list[Piece]) -> bool:
+    """Whether `server`'s own next piece after `wrote` is how `wrote` began."""
+    text = text_of(continued(server, truth(server, body, wrote, ""), 1))
+    return bool(text) and text_of(wrote).startswith(text)
 
 
 def test_the_chat_route_gives_each_token_with_tools_in_a_stream(

@@ -252,9 +252,10 @@ class NextLeg:
         info = self._servers.get(upstream) if self._servers else None
         if self._keeps_pieces(upstream):
             chat = asking_for_ids(chat)
-        rewriter = self.dialect.rewriter(
-            self.transcript, chat, info.echoes_prefill if info else None
-        )
+        echo = info.echoes_prefill if info else None
+        if chat.get("continue_final_message"):
+            echo = False  # a placed message (handoff/placing.py) is not sent back first
+        rewriter = self.dialect.rewriter(self.transcript, chat, echo)
         return self.dialect.leg_path(self.path, chat), chat, rewriter
 
     def _keeps_pieces(self, upstream: Upstream) -> bool:
