@@ -52,20 +52,33 @@ def reasoning_parting(
 ) -> str | None:
     """Where a trailing message's `rendered` prompt fails what can be known of an answer
     with reasoning, whose markers the client never saw (so the raw output is not known
-    byte for byte): it must be the `truth` prompt followed by the reasoning and, once the
-    answer has content, end with that content; while it has none, end with the reasoning
-    left open. None where it holds."""
+    byte for byte): it must be the `truth` prompt, then the reasoning and, once the answer
+    has content, something that closes it and that content at the end; while it has none,
+    the reasoning left open at the end. Between them only markers: no text, no second
+    block (the closing marker met again before the reasoning). None where it holds."""
     if not rendered.startswith(truth):
         return parting(rendered[: len(truth)], truth)
     rest = rendered[len(truth) :]
     reasoning, content = transcript.reasoning_text, transcript.text.removeprefix(prefill)
-    if reasoning.strip() not in rest:
+    at = rest.find(reasoning.strip())
+    if at < 0:
         return "a trailing message's prompt does not hold the answer's reasoning"
-    if content and not rest.endswith(content):
-        return f"a trailing message's prompt does not end with the answer: {rest[-2 * CONTEXT :]!r}"
-    if not content and not rest.endswith(reasoning):
+    opening, after = rest[:at], rest[at + len(reasoning.strip()) :]
+    if not content:
+        if rest.endswith(reasoning):
+            return None
         return (
             "a trailing message's prompt closes the reasoning the model is still writing: "
             f"{rest[-2 * CONTEXT :]!r}"
         )
+    if not after.endswith(content):
+        return f"a trailing message's prompt does not end with the answer: {rest[-2 * CONTEXT :]!r}"
+    closing = after[: len(after) - len(content)].strip()
+    if not closing:
+        return (
+            "a trailing message's prompt runs the reasoning into the answer with nothing "
+            f"that closes it: {rest[at + len(reasoning.strip()) - CONTEXT :][: 2 * CONTEXT]!r}"
+        )
+    if closing in opening:
+        return f"a trailing message's prompt holds another reasoning block first: {opening!r}"
     return None
