@@ -243,6 +243,8 @@ class Splice:
             self._leg_task.cancel()
 
     async def run(self, client: ClientStream) -> None:
+        if self.streaming and len(self.ladder) > 1:
+            self._next.keep_the_date(self.current)
         while True:
             self._leg_task = asyncio.ensure_future(self._leg(client))
             try:

@@ -35,7 +35,7 @@ from addon.servers.declared import declare
 from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
 from addon.servers.exchange import Exchange, RecordingTransport
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
-from addon.servers.identity import identity_of
+from addon.servers.identity import dated_template, identity_of
 from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.prompts import PromptQuestions
 from addon.servers.upstream import Upstream
@@ -235,6 +235,7 @@ class ServerDirectory(PromptQuestions):
                 unanswered(upstream, info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
         info.identity = identity_of(props, models)
+        info.dated_template = dated_template(props)
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
         info.model = self._named.get(upstream.url) or (info.models[0] if info.models else None)
         if info.slot_context is None and (length := engines.context_length(models)):

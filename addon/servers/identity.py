@@ -35,3 +35,15 @@ def identity_of(props: Any, models: Any) -> str | None:
     ]
     text = json.dumps(said, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+DATE_CALLS = ("strftime_now",)  # what llama.cpp's and vLLM's templates call for the date
+
+
+def dated_template(props: Any) -> str | None:
+    """The digest of a llama-server's chat template (its `/props`) where that template
+    prints the date (handoff/dated.py); None where it does not, or is not said."""
+    template = mapping(props).get("chat_template")
+    if not isinstance(template, str) or not any(call in template for call in DATE_CALLS):
+        return None
+    return hashlib.sha256(template.encode()).hexdigest()[:16]

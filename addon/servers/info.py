@@ -45,6 +45,8 @@ class ServerInfo:
     asked: bool = False  # every start-up question has been answered, or has failed
     echoes_prefill: bool | None = None
     template_from: str | None = None  # where its chat template was read (or why not)
+    # Its chat template's digest where that template prints the date (identity.py).
+    dated_template: str | None = None
     slot_context: int | None = None
     tokenizer: str | None = None
     # vLLM's own render, generate and derender routes: whether it serves them
