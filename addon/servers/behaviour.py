@@ -77,8 +77,10 @@ async def behaviour(ask: Ask, model: str | None) -> Behaviour:
 
 def _cut(text: str) -> int | None:
     """Where the answer is cut for the probe: at the space nearest its middle, with
-    enough on both sides to compare."""
-    spaces = [i for i, c in enumerate(text) if c == " " and 4 <= i <= len(text) - COMPARED]
+    enough on both sides to compare, and before any lone surrogate (half a character a
+    server sent as an escape: the prefill goes back as JSON, which cannot carry it)."""
+    whole = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), len(text))
+    spaces = [i for i, c in enumerate(text[:whole]) if c == " " and 4 <= i <= len(text) - COMPARED]
     if not spaces:
         return None
     return min(spaces, key=lambda i: abs(i - len(text) // 2))
