@@ -243,8 +243,9 @@ class Splice:
             self._leg_task.cancel()
 
     async def run(self, client: ClientStream) -> None:
-        if self.streaming and len(self.ladder) > 1:
-            self._next.keep_the_date(self.current)
+        renderings = self._next.renderings
+        if self.streaming and len(self.ladder) > 1 and renderings and self.dialect.name == "chat":
+            renderings.keep_the_date(self.current)
         while True:
             self._leg_task = asyncio.ensure_future(self._leg(client))
             try:

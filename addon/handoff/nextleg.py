@@ -13,11 +13,11 @@ from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
 from addon.handoff import media, translated, vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
-from addon.handoff.dated import DatedRendering
 from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
+from addon.handoff.renderings import Renderings
 from addon.handoff.sampling import vllm_differs
 from addon.handoff.vllm import VllmTerms
 from addon.servers import vllm_routes
@@ -70,8 +70,7 @@ class NextLeg:
         self.transcript = transcript
         self._servers = servers
         self.asks_ids = asks_ids
-        self._prompts: dict[str, str] = {}  # server -> its rendering of the chat prompt
-        self._dated: DatedRendering | None = None  # the primary's, as the answer began
+        self.renderings = Renderings(servers, body) if servers is not None else None
 
     async def request(
         self,
@@ -351,26 +350,10 @@ class NextLeg:
             return None
 
     async def _chat_prompt_or_why(self, upstream: Upstream) -> str:
-        """The chat prompt as `upstream` renders it: asked once per server (the messages
-        do not change while the answer streams), or the primary's as the answer began
-        where both templates print that date (handoff/dated.py). Raises NotRendered."""
-        if upstream.url not in self._prompts:
-            servers = self._servers
-            assert servers is not None
-            dated = self._dated
-            template = servers.get(upstream).dated_template
-            saw = await dated.for_template(template) if dated is not None else None
-            self._prompts[upstream.url] = saw or await servers.rendering(upstream, self.body)
-        return self._prompts[upstream.url]
-
-    def keep_the_date(self, primary: Upstream) -> None:
-        """Ask `primary` for its rendering now where its template prints the date."""
-        servers = self._servers
-        if servers is None or self.dialect.name != "chat":
-            return
-        template = servers.get(primary).dated_template
-        if template is not None and isinstance(self.body.get("messages"), list):
-            self._dated = DatedRendering(template, servers.rendering(primary, self.body))
+        """The chat prompt as the model would read it on `upstream` (handoff/renderings.py).
+        Raises NotRendered."""
+        assert self.renderings is not None
+        return await self.renderings.of(upstream)
 
     def fits_without_asking(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer surely fits on `upstream`, known without a
