@@ -9,9 +9,9 @@ stream: no second `response.created`, its message item merged into the one the c
 has open (same item id, indexes shifted to follow the client's, sequence numbers going
 on from the client's last), the `.done` events and `response.completed` carrying the
 whole text, the client's response id and the whole answer's usage. A function call goes
-out whole, like a chat tool call. Reasoning carries over as in chat: cut while reasoning,
-the next server goes on in the client's reasoning item; cut after the text began, its
-restatement of the reasoning is dropped.
+out whole, like a chat tool call (formats/responsecalls.py). Reasoning carries over as
+in chat: cut while reasoning, the next server goes on in the client's reasoning item;
+cut after the text began, its restatement of the reasoning is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from addon.formats import sse
 from addon.formats.continuation import bound_by
 from addon.formats.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.formats.responsecalls import CallHold
 from addon.formats.shape import positive_int
 from addon.formats.sizes import bound
 from addon.formats.transcript import Transcript
@@ -48,14 +49,14 @@ def output_text(content: Any) -> str | None:
 class ResponsesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
         super().__init__(transcript, rewriter, server)
-        self._call: list[bytes] | None = None  # a function call's events, until it is whole
+        self._calls = CallHold()  # a new leg starts with no call's events: cut ones dropped
         self._finished = False
 
     def plain(self, block: bytes) -> bytes | None:
         """Only text deltas, which nothing but the transcript needs to read."""
         plain = (
             self.rewriter is None
-            and self._call is None
+            and not self._calls.open
             and block.count(b'"type":"response.output_text.delta"') == block.count(SEP)
             and b'"error"' not in block
         )
@@ -73,19 +74,15 @@ class ResponsesReader(TypedEventReader):
         kind = payload.get("type")
         if kind in ENDS:
             return [Event(Step.END, data)]
+        if (call := self._calls.take(payload, data)) is not None:
+            if not call:
+                return []
+            step = Step.FINISH if self._finished else Step.SEND  # (the answer's end stays last)
+            return [Event(step, b"".join(call), {**payload, "type": "function_call"})]
         if self._finished or kind == "response.output_text.done":
             self._finished = True
             return [Event(Step.FINISH, data)]
         item = payload.get("item") or {}
-        if kind == "response.output_item.added" and item.get("type") == "function_call":
-            self._call = [data]
-            return []
-        if self._call is not None:
-            self._call.append(data)
-            if kind != "response.output_item.done":
-                return []
-            whole, self._call = b"".join(self._call), None
-            return [Event(Step.SEND, whole, {**payload, "type": "function_call"})]
         if kind == "response.output_item.done" and item.get("type") == "reasoning":
             return [Event(Step.HOLD, data, payload)]  # a cut goes on with the reasoning
         return [Event(Step.SEND, data, payload)]
@@ -227,6 +224,9 @@ class ResponsesRewriter:
             if isinstance(at, int) and isinstance(items[kind][1], int):
                 self._shift = items[kind][1] - at
             return None
+        if wire.get("open") in items and items[wire["open"]][0] in self._ids.values():
+            return []  # the open item is this leg's too, which closes it itself (a call's
+            # item added while the message is open, as llama-server does)
         closing = []
         if (open_kind := wire.pop("open", None)) in items:
             closing.append(self._done(open_kind))

@@ -1,0 +1,83 @@
+"""A TCP relay in front of a real server that acts when the server's answer reaches a
+given point: a client behind the proxy cannot count the chunks of a tool call (the proxy
+sends a call whole), so the cut inside one is landed here, on the server's own bytes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+from scripts.parts.processes import free_port
+
+
+class Tap:
+    """Relays 127.0.0.1:`port` to `target_port`; once armed, calls `act` (once) when the
+    server has sent `when(seen)` true, `seen` being every byte it sent since arming. The
+    bytes that made it true are forwarded after `act` returns."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._target = target_port
+        self._armed: tuple[Callable[[bytes], bool], Callable[[], None]] | None = None
+        self._seen = bytearray()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+
+    def arm(self, when: Callable[[bytes], bool], act: Callable[[], None]) -> None:
+        with self._lock:
+            self._seen.clear()
+            self._armed = (when, act)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:  # the server is gone: so is this connection
+                client.close()
+                continue
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if answers:
+                    self._watch(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def _watch(self, data: bytes) -> None:
+        with self._lock:
+            if self._armed is None:
+                return
+            self._seen += data
+            when, act = self._armed
+            if not when(bytes(self._seen)):
+                return
+            self._armed = None
+        act()
+
+
+@contextmanager
+def tapped(target_port: int) -> Iterator[Tap]:
+    tap = Tap(target_port)
+    threading.Thread(target=tap.serve, daemon=True).start()
+    try:
+        yield tap
+    finally:
+        tap.close()
