@@ -16,9 +16,8 @@ writes 28 words and one call). What the client must get in each case:
   ends in-band with the reason, or, on a pressure handoff, stays where it is.
 
 Each call the client gets has one index, one id, one name and arguments that are the
-JSON the model wrote. Through the Responses API too, where a call is an item of its own
-whose events llama-server interleaves with the message's (each call's item added once,
-its argument deltas, closed once; the message closed once).
+JSON the model wrote (the same through the Responses and Messages APIs:
+tests/test_tool_calls_apis.py).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -68,24 +67,32 @@ def body_of(extra: dict[str, Any]) -> dict[str, Any]:
 Start = Callable[[str, str], tuple[LlamaServer, LlamaServer, Mitmdump, Tap]]
 
 
+@contextmanager
+def tapped_pairs(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> Iterator[Start]:
+    """Starts (primary, fallback, proxy, tap): the proxy reaches the primary through the
+    tap."""
+    by_name = {template.stem: template for template in templates()}
+    with ExitStack() as taps:
+
+        def start(template: str, fallback: str) -> tuple[LlamaServer, LlamaServer, Mitmdump, Tap]:
+            args = ["--jinja", "--chat-template-file", str(by_name[template]), *SAME_BATCHES]
+            first = start_server("primary", extra_args=args)
+            second = start_server(fallback, extra_args=args)
+            tap = taps.enter_context(tapped(first.port))
+            proxy = start_proxy(tap.url, [second.url])
+            proxy.servers_known()
+            return first, second, proxy, tap
+
+        yield start
+
+
 @pytest.fixture
 def tapped_pair(
     start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
 ) -> Iterator[Start]:
-    """(primary, fallback, proxy, tap): the proxy reaches the primary through the tap."""
-    by_name = {template.stem: template for template in templates()}
-    taps = ExitStack()
-
-    def start(template: str, fallback: str) -> tuple[LlamaServer, LlamaServer, Mitmdump, Tap]:
-        args = ["--jinja", "--chat-template-file", str(by_name[template]), *SAME_BATCHES]
-        first = start_server("primary", extra_args=args)
-        second = start_server(fallback, extra_args=args)
-        tap = taps.enter_context(tapped(first.port))
-        proxy = start_proxy(tap.url, [second.url])
-        proxy.servers_known()
-        return first, second, proxy, tap
-
-    with taps:
+    with tapped_pairs(start_server, start_proxy) as start:
         yield start
 
 
@@ -225,98 +232,3 @@ def test_a_first_call_cut_before_anything_was_sent_starts_over_on_the_fallback(
     alone = read_stream(second.url, {**body, "max_tokens": ANSWER - spent})
     assert calls_of(stream) == calls_of(alone) and stream.text == alone.text
     no_markup(stream)
-
-
-# The same through OpenAI's Responses API (llama-server's /v1/responses): a call is an
-# item of its own, whose events llama-server interleaves with the message's.
-RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
-
-
-class Response:
-    """A Responses stream as the client read it: its events, notes and errors."""
-
-    def __init__(self, url: str, body: dict[str, Any], on_text: Callable[[int], None]) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.notes: list[str] = []
-        texts = 0
-        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as reply:
-            for line in reply.iter_lines():
-                if line.startswith(":"):
-                    self.notes.append(line)
-                elif line.startswith("data:"):
-                    self.events.append(json.loads(line[5:]))
-                    if self.events[-1]["type"] == "response.output_text.delta":
-                        texts += 1
-                        on_text(texts)
-
-    @property
-    def text(self) -> str:
-        deltas = (e for e in self.events if e["type"] == "response.output_text.delta")
-        return "".join(e["delta"] for e in deltas)
-
-    def calls(self) -> list[tuple[str, str]]:
-        """The function calls, (name, arguments) in the order they closed, each checked
-        well formed: every item added once and closed once, a call's argument deltas
-        (between the two) put together its closing arguments, and those JSON."""
-        added: dict[str, dict[str, Any]] = {}
-        done: list[str] = []
-        for event in self.events:
-            kind, item = event["type"], event.get("item") or {}
-            if kind == "response.output_item.added":
-                assert item["id"] not in added, f"{item['id']} added twice"
-                added[item["id"]] = {**item, "arguments": ""}
-            elif kind == "response.function_call_arguments.delta":
-                assert event["item_id"] in added and event["item_id"] not in done, event
-                added[event["item_id"]]["arguments"] += event["delta"]
-            elif kind == "response.output_item.done":
-                assert item["id"] in added and item["id"] not in done, f"{item['id']} closed"
-                done.append(item["id"])
-                if item["type"] == "function_call":
-                    assert added[item["id"]]["arguments"] == item["arguments"], item
-                    json.loads(item["arguments"])
-        assert sorted(done) == sorted(added), "every item closed"
-        calls = [added[i] for i in done if added[i]["type"] == "function_call"]
-        return [(call["name"], call["arguments"]) for call in calls]
-
-
-def responses_body(extra: dict[str, Any]) -> dict[str, Any]:
-    return {"input": QUESTION[0]["content"], "tools": RESPONSES_TOOLS, "stream": True,
-            "max_output_tokens": ANSWER, "temperature": 0, **extra}  # fmt: skip
-
-
-def test_responses_function_calls_go_out_whole_and_well_formed(tapped_pair: Start) -> None:
-    """No handoff: llama-server adds every call's item before it closes any; each reaches
-    the client whole (its item added, its argument deltas, its item closed)."""
-    first, _, proxy, _ = tapped_pair(FUNCTIONARY, "primary")
-    body = responses_body(REQUIRED)
-    alone = Response(first.url, body, lambda n: None)
-    assert len(alone.calls()) > 1
-    through = Response(proxy.url, body, lambda n: None)
-    assert through.calls() == alone.calls() and not through.notes
-
-
-def test_a_responses_call_after_the_cut_comes_whole_after_the_message(tapped_pair: Start) -> None:
-    """Cut in the words before the call, the same model behind the cut: the client's
-    message item is closed once, with the whole text, and the call comes whole."""
-    first, _, proxy, _ = tapped_pair(LLAMA31, "primary")
-    body = responses_body(WORDS_THEN_CALL)
-    alone = Response(first.url, body, lambda n: None)
-    assert alone.text and alone.calls()
-
-    def on_text(n: int) -> None:
-        if n == CUT - 1:
-            os.kill(first.pid, signal.SIGSTOP)
-            try:
-                assert handoff(proxy, reason="test pressure") == 1
-            finally:
-                os.kill(first.pid, signal.SIGCONT)
-
-    through = Response(proxy.url, body, on_text)
-    (note,) = through.notes
-    cut = int(note.split(" after ")[1].split()[0])
-    assert 0 < cut < len(alone.text.split()) and "replayed as text" in note, note
-    assert through.text == alone.text
-    assert through.calls() == alone.calls()
-    (message,) = [e["item"] for e in through.events if e["type"] == "response.output_item.done"
-                  and e["item"]["type"] == "message"]  # fmt: skip
-    assert message["content"][0]["text"] == alone.text

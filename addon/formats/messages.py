@@ -7,9 +7,10 @@ message with the answer so far as a partial assistant turn, and its events join 
 client's stream: no second `message_start`, its first block merged into the block the
 client has open (or that block closed first, when the next server starts another kind),
 block indexes shifted to follow the client's, one `message_delta` with the whole answer's
-usage, one `message_stop`. A tool_use block goes out whole, like a chat tool call.
-Thinking carries over as in chat: cut while thinking, the next server goes on with the
-thinking block; cut after the text began, its restatement of the thinking is dropped.
+usage, one `message_stop`. A tool_use block goes out whole, like a chat tool call
+(formats/heldcalls.py). Thinking carries over as in chat: cut while thinking, the next
+server goes on with the thinking block; cut after the text began, its restatement of the
+thinking is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from addon.formats.dialect import (
     prefilled,
     with_fewer_tokens,
 )
+from addon.formats.heldcalls import HeldCalls, messages_part
 from addon.formats.shape import text_of
 from addon.formats.sizes import bound
 from addon.formats.transcript import Transcript
@@ -36,14 +38,12 @@ from addon.formats.wire import Header, error_text
 
 SEP = sse.TERMINATOR
 JSON = [(b"content-type", b"application/json")]
-TOOL_BLOCKS = ("tool_use", "server_tool_use")
 
 
 class MessagesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
         super().__init__(transcript, rewriter, server)
-        self._tool: list[bytes] | None = None  # a tool_use block's events, until it is whole
-        self._tool_index: Any = None
+        self._tools = HeldCalls()  # a new leg starts with no tool block's events: cut ones dropped
         self._finished = False
 
     def plain(self, block: bytes) -> bytes | None:
@@ -51,7 +51,7 @@ class MessagesReader(TypedEventReader):
         n = block.count(SEP)
         plain = (
             self.rewriter is None
-            and self._tool is None
+            and not self._tools.open
             and block.count(b'"type":"content_block_delta"') == n
             and block.count(b'"type":"text_delta"') + block.count(b'"type":"thinking_delta"') == n
             and b'"error"' not in block
@@ -70,16 +70,9 @@ class MessagesReader(TypedEventReader):
         if self._finished or kind == "message_delta":
             self._finished = True
             return [Event(Step.FINISH, data)]
-        block = payload.get("content_block") or {}
-        if kind == "content_block_start" and block.get("type") in TOOL_BLOCKS:
-            self._tool, self._tool_index = [data], payload.get("index")
-            return []
-        if self._tool is not None:
-            self._tool.append(data)
-            if kind != "content_block_stop":
-                return []
-            whole, self._tool = b"".join(self._tool), None
-            return [Event(Step.SEND, whole, {"type": "tool_use", "index": self._tool_index})]
+        if (tool := self._tools.take(messages_part(payload), data)) is not None:
+            whole = {"type": "tool_use", "index": payload.get("index")}
+            return [Event(Step.SEND, b"".join(tool), whole)] if tool else []
         if kind == "content_block_stop":
             return [Event(Step.HOLD, data, payload)]
         return [Event(Step.SEND, data, payload)]

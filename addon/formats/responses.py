@@ -9,7 +9,7 @@ stream: no second `response.created`, its message item merged into the one the c
 has open (same item id, indexes shifted to follow the client's, sequence numbers going
 on from the client's last), the `.done` events and `response.completed` carrying the
 whole text, the client's response id and the whole answer's usage. A function call goes
-out whole, like a chat tool call (formats/responsecalls.py). Reasoning carries over as
+out whole, like a chat tool call (formats/heldcalls.py). Reasoning carries over as
 in chat: cut while reasoning, the next server goes on in the client's reasoning item;
 cut after the text began, its restatement of the reasoning is dropped.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from addon.formats import sse
 from addon.formats.continuation import bound_by
 from addon.formats.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
-from addon.formats.responsecalls import CallHold
+from addon.formats.heldcalls import HeldCalls, responses_part
 from addon.formats.shape import positive_int
 from addon.formats.sizes import bound
 from addon.formats.transcript import Transcript
@@ -49,7 +49,7 @@ def output_text(content: Any) -> str | None:
 class ResponsesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
         super().__init__(transcript, rewriter, server)
-        self._calls = CallHold()  # a new leg starts with no call's events: cut ones dropped
+        self._calls = HeldCalls()  # a new leg starts with no call's events: cut ones dropped
         self._finished = False
 
     def plain(self, block: bytes) -> bytes | None:
@@ -74,7 +74,7 @@ class ResponsesReader(TypedEventReader):
         kind = payload.get("type")
         if kind in ENDS:
             return [Event(Step.END, data)]
-        if (call := self._calls.take(payload, data)) is not None:
+        if (call := self._calls.take(responses_part(payload), data)) is not None:
             if not call:
                 return []
             step = Step.FINISH if self._finished else Step.SEND  # (the answer's end stays last)
