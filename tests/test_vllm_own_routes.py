@@ -308,3 +308,47 @@ def test_a_penalty_vllm_would_start_over_is_not_carried(
     )  # fmt: skip
     said = " ".join(stream.notes) + str(stream.errors)
     assert "presence_penalty" in said and "start over" in said
+
+
+# A tool whose one argument is an enum: `tool_choice: "required"` (a JSON schema vLLM
+# decodes to once the reasoning closes) makes the tiny model write a real call.
+FORCED_CALL = {
+    "tool_choice": "required",
+    "tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                       "required": ["city"]},
+    }}],
+}  # fmt: skip
+
+
+def test_a_call_written_after_the_cut_comes_as_vllms_own_tool_calls(
+    start_proxy, thinking_vllm: str, twin: str
+) -> None:
+    """Cut in the reasoning, a call required: the twin goes on from the ids with the
+    sampling its render resolved (the call's schema) and its own parsers, so the rest of
+    the reasoning and the calls are vLLM's own streamed answer's, as `tool_calls` (the
+    last cut by the budget; vLLM's non-streamed answer gives them as content instead)."""
+    proxy = start_proxy(thinking_vllm, [twin])
+    proxy.servers_known()
+    body = chat_body(LONG, model=SERVED_NAME, **FORCED_CALL, **CLOSES_REASONING)
+    stream = cut_at(proxy.url, body, 10)
+    (note,) = stream.notes
+    assert "replayed as token ids" in note
+    alone = read_stream(thinking_vllm, body, timeout=300)
+    assert stream.thoughts[0] + stream.thoughts[1] == alone.thoughts[0]
+    assert _calls(stream) == _calls(alone) and len(_calls(stream)) > 1 and not stream.text
+
+
+def _calls(stream: RawStream) -> list[tuple[str, str]]:
+    """(name, arguments) of each tool call by index, its pieces put together."""
+    calls: dict[int, list[str]] = {}
+    for chunk in stream.chunks:
+        for choice in chunk["choices"]:
+            for piece in (choice.get("delta") or {}).get("tool_calls") or ():
+                function = piece.get("function") or {}
+                call = calls.setdefault(piece["index"], ["", ""])
+                call[0] += function.get("name") or ""
+                call[1] += function.get("arguments") or ""
+    return [(calls[i][0], calls[i][1]) for i in sorted(calls)]
