@@ -328,8 +328,8 @@ def test_a_call_written_after_the_cut_comes_as_vllms_own_tool_calls(
 ) -> None:
     """Cut in the reasoning, a call required: the twin goes on from the ids with the
     sampling its render resolved (the call's schema) and its own parsers, so the rest of
-    the reasoning and the calls are vLLM's own streamed answer's, as `tool_calls` (the
-    last cut by the budget; vLLM's non-streamed answer gives them as content instead)."""
+    the reasoning and the calls are vLLM's own streamed answer's, as `tool_calls`, and it
+    ends as that answer does (vLLM's non-streamed answer gives them as content instead)."""
     proxy = start_proxy(thinking_vllm, [twin])
     proxy.servers_known()
     body = chat_body(LONG, model=SERVED_NAME, **FORCED_CALL, **CLOSES_REASONING)
@@ -339,6 +339,9 @@ def test_a_call_written_after_the_cut_comes_as_vllms_own_tool_calls(
     alone = read_stream(thinking_vllm, body, timeout=300)
     assert stream.thoughts[0] + stream.thoughts[1] == alone.thoughts[0]
     assert _calls(stream) == _calls(alone) and len(_calls(stream)) > 1 and not stream.text
+    # The budget cut the last call: vLLM's chat route says `length`, and so must the
+    # continuation, whose derender would say `tool_calls` (a whole call to run).
+    assert stream.finishes == alone.finishes == ["length"]
 
 
 def _calls(stream: RawStream) -> list[tuple[str, str]]:

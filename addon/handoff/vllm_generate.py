@@ -87,6 +87,7 @@ class Derendered:
                 try:
                     answer = await self._ask(DERENDER, request)
                     state, chat = answer["stream_state"], _tidy(answer["chunk"])
+                    _ended_as_generated(chat, chunk)
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                     yield _error(f"{DERENDER} did not read a chunk of {GENERATE}: {exc!r:.200}")
                     return
@@ -107,6 +108,17 @@ def _tidy(chunk: dict[str, Any]) -> dict[str, Any]:
         delta = choice.get("delta") or {}
         choice["delta"] = {k: v for k, v in delta.items() if v is not None and v != []}
     return chunk
+
+
+def _ended_as_generated(chat: dict[str, Any], generated: dict[str, Any]) -> None:
+    """vLLM's derender says a leg that streamed a tool call ended in `tool_calls`,
+    whatever ended it; its chat route says so only where the model stopped, and keeps
+    `length` (a call cut by the budget is not a whole call): the generate chunk's own
+    reason stands there."""
+    ends = [choice.get("finish_reason") for choice in generated.get("choices") or ()]
+    for choice, end in zip(chat.get("choices") or (), ends, strict=False):
+        if choice.get("finish_reason") == "tool_calls" and end not in (None, "stop"):
+            choice["finish_reason"] = end
 
 
 def _error(message: str) -> bytes:
