@@ -19,6 +19,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.prompts import PROMPT, chat_body
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 from tests.test_routing import wait_for
+from tests.throttle import Throttled
 
 LONG = 300
 RENDERED = "a rendered prompt on /v1/completions"
@@ -160,8 +161,9 @@ def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> N
     its ids). The second leg's ids are the turns tokenizer's: the third server, which
     shares the first one's tokenizer, must get the answer as text, and what follows the
     second cut is its own continuation of all the text delivered."""
-    # One slot of 4,096 tokens each and a long answer, so that no server has written the
-    # whole of it by the time the client reaches the chunk that cuts it.
+    # One slot of 4,096 tokens each and a long answer, the first two servers throttled,
+    # so that neither has written the whole of it by the time the client (on a loaded
+    # machine) reaches the chunk that cuts it.
     servers = [start_server(m, slots=1) for m in ("primary", "turns-fallback", "fallback")]
     first, second, third = servers
     proxy = start_proxy(first.url, [second.url, third.url], options=QUICK)
@@ -176,7 +178,8 @@ def test_token_ids_of_two_vocabularies_never_mix(start_server, start_proxy) -> N
             second.kill()
 
     whole = 2000
-    stream = read_stream(proxy.url, chat_body(whole, logprobs=True), on_chunk=cut)
+    with Throttled(first.pid, second.pid):
+        stream = read_stream(proxy.url, chat_body(whole, logprobs=True), on_chunk=cut)
     assert_one_clean_stream(stream)
     to_second, to_third = stream.notes
     assert f"{first.url} -> {second.url}" in to_second and "replayed as text" in to_second
