@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,6 +221,21 @@ def write_model(path: Path, preset: Preset) -> Path:
     return write_weights(path, preset, tokenizer, bias)
 
 
+@contextmanager
+def gguf_file(path: Path, arch: str) -> Iterator[GGUFWriter]:
+    """A GGUF writer whose file, once its tensors are added, is written aside and moved
+    into place whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    yield writer
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+
+
 def write_weights(
     path: Path, preset: Preset, tokenizer: Callable[[GGUFWriter], None], bias: list[float]
 ) -> Path:
@@ -233,48 +249,40 @@ def write_weights(
     def noise(rows: int, cols: int, scale: float) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * scale
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    writer = GGUFWriter(str(tmp), "llama")
-    writer.add_name(f"tiny-{path.stem}")
-    writer.add_context_length(preset.context)
-    writer.add_embedding_length(d)
-    writer.add_block_count(preset.n_layer)
-    writer.add_feed_forward_length(preset.n_ff)
-    writer.add_head_count(preset.n_head)
-    writer.add_head_count_kv(preset.n_head)
-    writer.add_rope_dimension_count(d // preset.n_head)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(int(GGMLQuantizationType.Q8_0))
-    tokenizer(writer)
+    with gguf_file(path, "llama") as writer:
+        writer.add_name(f"tiny-{path.stem}")
+        writer.add_context_length(preset.context)
+        writer.add_embedding_length(d)
+        writer.add_block_count(preset.n_layer)
+        writer.add_feed_forward_length(preset.n_ff)
+        writer.add_head_count(preset.n_head)
+        writer.add_head_count_kv(preset.n_head)
+        writer.add_rope_dimension_count(d // preset.n_head)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_file_type(int(GGMLQuantizationType.Q8_0))
+        tokenizer(writer)
 
-    embed = noise(n_vocab, d, 1.0)
-    embed[:, bias_dim] = 4.0
-    _quantized(writer, "token_embd.weight", embed)
-    for layer in range(preset.n_layer):
-        prefix = f"blk.{layer}"
-        writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(d, dtype=np.float32))
-        writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(d, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v"):
-            _quantized(writer, f"{prefix}.{name}.weight", noise(d, d, QK_SCALE * d**-0.5))
-        attn_out = noise(d, d, 0.5 * d**-0.5)
-        attn_out[bias_dim, :] = 0.0
-        _quantized(writer, f"{prefix}.attn_output.weight", attn_out)
-        _quantized(writer, f"{prefix}.ffn_gate.weight", noise(preset.n_ff, d, d**-0.5))
-        _quantized(writer, f"{prefix}.ffn_up.weight", noise(preset.n_ff, d, d**-0.5))
-        ffn_down = noise(d, preset.n_ff, 0.5 * preset.n_ff**-0.5)
-        ffn_down[bias_dim, :] = 0.0
-        _quantized(writer, f"{prefix}.ffn_down.weight", ffn_down)
-    writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
-    output = noise(n_vocab, d, OUT_SCALE * d**-0.5)
-    output[:, bias_dim] = np.asarray(bias, dtype=np.float32)
-    _quantized(writer, "output.weight", output)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+        embed = noise(n_vocab, d, 1.0)
+        embed[:, bias_dim] = 4.0
+        _quantized(writer, "token_embd.weight", embed)
+        for layer in range(preset.n_layer):
+            prefix = f"blk.{layer}"
+            writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(d, dtype=np.float32))
+            writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(d, dtype=np.float32))
+            for name in ("attn_q", "attn_k", "attn_v"):
+                _quantized(writer, f"{prefix}.{name}.weight", noise(d, d, QK_SCALE * d**-0.5))
+            attn_out = noise(d, d, 0.5 * d**-0.5)
+            attn_out[bias_dim, :] = 0.0
+            _quantized(writer, f"{prefix}.attn_output.weight", attn_out)
+            _quantized(writer, f"{prefix}.ffn_gate.weight", noise(preset.n_ff, d, d**-0.5))
+            _quantized(writer, f"{prefix}.ffn_up.weight", noise(preset.n_ff, d, d**-0.5))
+            ffn_down = noise(d, preset.n_ff, 0.5 * preset.n_ff**-0.5)
+            ffn_down[bias_dim, :] = 0.0
+            _quantized(writer, f"{prefix}.ffn_down.weight", ffn_down)
+        writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+        output = noise(n_vocab, d, OUT_SCALE * d**-0.5)
+        output[:, bias_dim] = np.asarray(bias, dtype=np.float32)
+        _quantized(writer, "output.weight", output)
     return path
 
 

@@ -20,9 +20,8 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
 
-from scripts.testbed.tinymodels import PRESETS
+from scripts.testbed.tinymodels import PRESETS, gguf_file
 
 IMAGE_SIZE = 16
 PATCH_SIZE = 8
@@ -39,44 +38,36 @@ def write_projector(path: Path, text_width: int = PRESETS["primary"].n_embd) -> 
         return rng.standard_normal(shape, dtype=np.float32) * shape[-1] ** -0.5
 
     patches = (IMAGE_SIZE // PATCH_SIZE) ** 2
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    writer = GGUFWriter(str(tmp), "clip")
-    writer.add_name("tiny-vision")
-    writer.add_string("clip.projector_type", "mlp")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.use_gelu", True)
-    for key, value in (
-        ("embedding_length", WIDTH), ("feed_forward_length", FF), ("block_count", 1),
-        ("projection_dim", text_width), ("attention.head_count", 1),
-        ("image_size", IMAGE_SIZE), ("patch_size", PATCH_SIZE),
-    ):  # fmt: skip
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    with gguf_file(path, "clip") as writer:
+        writer.add_name("tiny-vision")
+        writer.add_string("clip.projector_type", "mlp")
+        writer.add_bool("clip.has_vision_encoder", True)
+        writer.add_bool("clip.use_gelu", True)
+        for key, value in (
+            ("embedding_length", WIDTH), ("feed_forward_length", FF), ("block_count", 1),
+            ("projection_dim", text_width), ("attention.head_count", 1),
+            ("image_size", IMAGE_SIZE), ("patch_size", PATCH_SIZE),
+        ):  # fmt: skip
+            writer.add_uint32(f"clip.vision.{key}", value)
+        writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+        writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
-    writer.add_tensor("v.patch_embd.weight", noise(WIDTH, 3, PATCH_SIZE, PATCH_SIZE))
-    writer.add_tensor("v.position_embd.weight", noise(patches, WIDTH))
-    for name, rows, cols in (
-        ("attn_q", WIDTH, WIDTH), ("attn_k", WIDTH, WIDTH), ("attn_v", WIDTH, WIDTH),
-        ("attn_out", WIDTH, WIDTH), ("ffn_up", FF, WIDTH), ("ffn_down", WIDTH, FF),
-    ):  # fmt: skip
-        writer.add_tensor(f"v.blk.0.{name}.weight", noise(rows, cols))
-        writer.add_tensor(f"v.blk.0.{name}.bias", np.zeros(rows, dtype=np.float32))
-    for norm in ("ln1", "ln2"):
-        writer.add_tensor(f"v.blk.0.{norm}.weight", np.ones(WIDTH, dtype=np.float32))
-        writer.add_tensor(f"v.blk.0.{norm}.bias", np.zeros(WIDTH, dtype=np.float32))
-    writer.add_tensor("mm.0.weight", noise(FF, WIDTH))
-    writer.add_tensor("mm.0.bias", np.zeros(FF, dtype=np.float32))
-    writer.add_tensor("mm.2.weight", noise(text_width, FF))
-    writer.add_tensor("mm.2.bias", np.zeros(text_width, dtype=np.float32))
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+        writer.add_tensor("v.patch_embd.weight", noise(WIDTH, 3, PATCH_SIZE, PATCH_SIZE))
+        writer.add_tensor("v.position_embd.weight", noise(patches, WIDTH))
+        for name, rows, cols in (
+            ("attn_q", WIDTH, WIDTH), ("attn_k", WIDTH, WIDTH), ("attn_v", WIDTH, WIDTH),
+            ("attn_out", WIDTH, WIDTH), ("ffn_up", FF, WIDTH), ("ffn_down", WIDTH, FF),
+        ):  # fmt: skip
+            writer.add_tensor(f"v.blk.0.{name}.weight", noise(rows, cols))
+            writer.add_tensor(f"v.blk.0.{name}.bias", np.zeros(rows, dtype=np.float32))
+        for norm in ("ln1", "ln2"):
+            writer.add_tensor(f"v.blk.0.{norm}.weight", np.ones(WIDTH, dtype=np.float32))
+            writer.add_tensor(f"v.blk.0.{norm}.bias", np.zeros(WIDTH, dtype=np.float32))
+        writer.add_tensor("mm.0.weight", noise(FF, WIDTH))
+        writer.add_tensor("mm.0.bias", np.zeros(FF, dtype=np.float32))
+        writer.add_tensor("mm.2.weight", noise(text_width, FF))
+        writer.add_tensor("mm.2.bias", np.zeros(text_width, dtype=np.float32))
     return path
 
 
