@@ -33,8 +33,7 @@ def identity_of(props: Any, models: Any) -> str | None:
         {name: mapping(entry).get(name) for name in MODEL}
         for entry in (entries if isinstance(entries, list) else [])
     ]
-    text = json.dumps(said, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _digest(json.dumps(said, sort_keys=True, default=str))
 
 
 DATE_CALLS = ("strftime_now",)  # what llama.cpp's and vLLM's templates call for the date
@@ -42,8 +41,12 @@ DATE_CALLS = ("strftime_now",)  # what llama.cpp's and vLLM's templates call for
 
 def dated_template(props: Any) -> str | None:
     """The digest of a llama-server's chat template (its `/props`) where that template
-    prints the date (handoff/dated.py); None where it does not, or is not said."""
+    prints the date (handoff/renderings.py); None where it does not, or is not said."""
     template = mapping(props).get("chat_template")
     if not isinstance(template, str) or not any(call in template for call in DATE_CALLS):
         return None
-    return hashlib.sha256(template.encode()).hexdigest()[:16]
+    return _digest(template)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
