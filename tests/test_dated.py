@@ -15,9 +15,17 @@ from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from tests.chat_shapes import SHAPES
-from tests.streams import assert_one_clean_stream, read_stream
-from tests.test_raw_output import ANSWER, CUT, SAME_BATCHES, continued, pieces, rendered, text_of
-from tests.test_splice import handoff_after
+from tests.streams import assert_one_clean_stream
+from tests.test_raw_output import (
+    ANSWER,
+    CUT,
+    SAME_BATCHES,
+    continued,
+    pieces,
+    read_cut,
+    rendered,
+    text_of,
+)
 
 LLAMA32 = "meta-llama-Llama-3.2-3B-Instruct"
 
@@ -57,7 +65,7 @@ def test_the_fallback_reads_the_date_the_model_saw(
     proxy = start_proxy(first.url, [second.url])
     proxy.servers_known()
     wrote = pieces(first, body)
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    stream = read_cut(proxy, body, [first], (CUT,))
     assert_one_clean_stream(stream)
     assert "replayed as token ids" in stream.notes[0], stream.notes
     said = stream.segment_tokens[0]

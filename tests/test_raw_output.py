@@ -24,8 +24,8 @@ from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from tests.chat_shapes import SHAPES
-from tests.streams import assert_one_clean_stream, read_stream
-from tests.test_splice import handoff, handoff_after
+from tests.streams import RawStream, assert_one_clean_stream, read_stream
+from tests.test_splice import handoff
 from tests.throttle import Throttled
 
 ANSWER = 40
@@ -82,6 +82,24 @@ def own_continuation(
     return text_of(continued(server, truth(server, body, wrote, note), left))
 
 
+def read_cut(
+    proxy: Mitmdump, body: dict[str, Any], slowed: list[LlamaServer], at: tuple[int, ...],
+    **pace: float,
+) -> RawStream:  # fmt: skip
+    """The answer to `body` through `proxy`, a handoff asked as the client gets each chunk
+    numbered in `at` (the first holds the role alone), the `slowed` servers throttled as on
+    a slow card and held while it is asked: run free, a tiny model writes the whole answer
+    before a loaded machine's client reaches the chunk that cuts it."""
+    with Throttled(*(server.pid for server in slowed), **pace) as throttle:
+
+        def on_chunk(n: int) -> None:
+            if n in at:
+                with throttle.held():
+                    handoff(proxy, reason="test pressure")
+
+        return read_stream(proxy.url, body, on_chunk=on_chunk)
+
+
 @pytest.fixture
 def pair(
     start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
@@ -115,7 +133,7 @@ def test_the_fallback_goes_on_from_what_the_model_wrote(
     first, second, proxy = pair(template)
     body = {**SHAPES[shape], "max_tokens": ANSWER, "stream": True, "temperature": 0}
     wrote = pieces(first, body)
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    stream = read_cut(proxy, body, [first], (CUT,))
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and "handoff" in stream.notes[0], stream.notes
     said = stream.segment_tokens[0]
@@ -151,14 +169,7 @@ def test_a_continuation_that_opens_like_the_answer_keeps_its_words(
     assert asked, "no cut where the fallback goes on as the answer began"
     bitten = 0
     for body, wrote, cut in asked:
-        with Throttled(first.pid, run_s=0.0003, period_s=0.03) as slowed:
-
-            def on_chunk(n: int, cut: int = cut, slowed: Throttled = slowed) -> None:
-                if n == cut + 1:  # (the first chunk holds the role alone)
-                    with slowed.held():
-                        handoff(proxy, reason="test pressure")
-
-            stream = read_stream(proxy.url, body, on_chunk=on_chunk)
+        stream = read_cut(proxy, body, [first], (cut + 1,), run_s=0.0003, period_s=0.03)
         assert_one_clean_stream(stream)
         said = stream.segment_tokens[0]
         assert "replayed as text" in stream.notes[0], stream.notes
@@ -246,18 +257,7 @@ def test_what_the_model_wrote_stays_known_after_the_first_handoff(
     proxy.servers_known()
     body = {**SHAPES["plain"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
     wrote = pieces(first, body)
-    first_cut = handoff_after(proxy, CUT, hold=first)
-    # The first fallback throttled, as on a slow card: unthrottled it writes the rest to
-    # the proxy before a loaded machine's client reads the chunk the second cut waits for.
-    with Throttled(middle.pid) as slowed:
-
-        def cut(n: int) -> None:
-            first_cut(n)
-            if n == 2 * CUT:
-                with slowed.held():
-                    handoff(proxy, reason="test pressure")
-
-        stream = read_stream(proxy.url, body, on_chunk=cut)
+    stream = read_cut(proxy, body, [first, middle], (CUT, 2 * CUT))
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 2, stream.notes
     said, then = stream.segment_tokens[:2]
