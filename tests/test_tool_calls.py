@@ -37,8 +37,8 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.tap import Tap, tapped
-from tests.test_raw_output import SAME_BATCHES, pieces, text_of, truth
-from tests.test_splice import handoff, handoff_after
+from tests.test_raw_output import SAME_BATCHES, pieces, read_cut, text_of, truth
+from tests.test_splice import handoff
 
 LLAMA31 = "meta-llama-Llama-3.1-8B-Instruct"
 FUNCTIONARY = "meetkai-functionary-medium-v3.2"
@@ -133,7 +133,7 @@ def test_a_call_after_the_cut_comes_as_tool_calls_as_the_primary_would_have_sent
     body = body_of(WORDS_THEN_CALL)
     alone = read_stream(first.url, body)
     assert alone.text and calls_of(alone), "the primary writes words, then a call"
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    stream = read_cut(proxy, body, [first], (CUT,))
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 1 and "replayed as text" in stream.notes[0], stream.notes
     assert stream.segments[0] and stream.segments[1]
@@ -152,7 +152,7 @@ def test_a_cut_before_any_call_goes_on_as_the_fallback_continues_what_the_model_
     first, second, proxy, _ = tapped_pair(template, "fallback")
     body = body_of(extra)
     wrote = pieces(first, body)
-    stream = read_stream(proxy.url, body, on_chunk=handoff_after(proxy, CUT, hold=first))
+    stream = read_cut(proxy, body, [first], (CUT,))
     assert_one_clean_stream(stream)
     said = stream.segment_tokens[0]
     assert text_of(wrote[:said]).lstrip() == stream.segments[0]
