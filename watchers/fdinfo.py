@@ -109,6 +109,7 @@ class FdinfoSource:
             self.rescan()
         used: dict[str, dict[str, int]] = {}
         pids: dict[str, set[int]] = {}
+        held: dict[str, dict[int, int]] = {}  # pdev -> pid -> bytes, each client counted once
         for path in self._files:
             try:
                 parsed = parse_fdinfo(path.read_text())
@@ -117,8 +118,13 @@ class FdinfoSource:
             if parsed is None:
                 continue
             pdev, client, local = parsed
-            used.setdefault(pdev, {})[client or str(path)] = local
-            pids.setdefault(pdev, set()).add(int(path.parent.parent.name))
+            pid = int(path.parent.parent.name)
+            key = client or str(path)
+            if key not in used.setdefault(pdev, {}):
+                by_pid = held.setdefault(pdev, {})
+                by_pid[pid] = by_pid.get(pid, 0) + local
+            used[pdev][key] = local
+            pids.setdefault(pdev, set()).add(pid)
         cards = self._cards_by_pdev()
         readings: list[Reading | CardFailure] = []
         self.pids, self.measured = {}, {}
@@ -135,6 +141,10 @@ class FdinfoSource:
                     total = int((card_dir / "device" / "mem_info_vram_total").read_text()) / MIB
                 reading = Reading(card, sum(clients.values()) / MIB, total, time.monotonic())
                 how = FDINFO_SUM
+            clients_of = held.get(pdev, {})
+            reading = replace(
+                reading, held=tuple((pid, b / MIB) for pid, b in sorted(clients_of.items()))
+            )
             readings.append(reading)
             self.measured[reading.card] = how
             if pdev in pids:

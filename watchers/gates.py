@@ -117,6 +117,7 @@ class CardMap:
         self._proc = proc
         self._sys = sysfs
         self._cache: dict[str, tuple[float, Mapping]] = {}
+        self._listeners: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
 
     def mapping_of(self, server: str) -> Mapping:
         server = server.rstrip("/")
@@ -136,6 +137,24 @@ class CardMap:
 
     def servers_on(self, card: str, servers: Iterable[str]) -> set[str]:
         return {s for s in servers if card in self.mapping_of(s).cards}
+
+    def server_pids(self, servers: Iterable[str]) -> set[int]:
+        """The processes of these servers on this machine: those listening on their ports
+        (looked up again every REFRESH_SECONDS) and every process they started, looked up
+        each time (a model loaded again may run in a new child, as with llama-swap)."""
+        pids: set[int] = set()
+        for server in servers:
+            parts = urlsplit(server)
+            if parts.hostname not in LOCAL_HOSTS:
+                continue
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            known = self._listeners.get(port)
+            if known is None or time.monotonic() - known[0] >= REFRESH_SECONDS:
+                known = (time.monotonic(), find_listeners(port, self._proc).pids)
+                self._listeners[port] = known
+            for pid in known[1]:
+                pids |= {pid, *descendants(pid, self._proc)}
+        return pids
 
     def _discover(self, server: str) -> Mapping:
         parts = urlsplit(server)

@@ -24,6 +24,7 @@ from watchers.reading import CardFailure, Source
 
 log = logging.getLogger(__name__)
 OnPressure = Callable[[Crossing], None]
+OwnPids = Callable[[], set[int]]
 NEAR_MIB = 8192.0
 SLOW_FACTOR = 10
 CONFIRM_S = 0.003
@@ -37,8 +38,12 @@ class MemoryMonitor:
         lines: Lines | None = None,
         interval: float = 0.02,
         stale_after: float = 1.0,
+        own_pids: OwnPids = set,
     ) -> None:
+        """`own_pids()`: the processes of the servers this proxy fronts (what they hold
+        on a card, where its source tells, is theirs: never pressure)."""
         self.sources = list(sources)
+        self.own_pids = own_pids
         self.on_pressure = on_pressure
         self.lines = lines or Lines()
         self.interval = interval
@@ -85,6 +90,7 @@ class MemoryMonitor:
         with self._lock:
             self.samples += 1
             self.reported = set()
+            own: set[int] | None = None  # asked once a reading says who holds memory
             for source in self.sources:
                 try:
                     results = source.read()
@@ -106,8 +112,14 @@ class MemoryMonitor:
                         fresh = time.monotonic() - result.time <= result.fresh_for(self.stale_after)
                         if state.error is not None and fresh:
                             state.error = None
-                    elif (crossing := state.observe(result, self.lines)) is not None:
-                        fired.append(crossing)
+                    else:
+                        if result.held is not None and own is None:
+                            own = self._own_pids()
+                        mine = None if own is None else result.held_by(own)
+                        if (crossing := state.observe(result, self.lines, mine)) is not None:
+                            fired.append(crossing)
+                        elif state.rest_since == result.time and state.rest_how.startswith("held"):
+                            log.info("%s", self.at_rest(state))
                     if first and state.last is not None:
                         log.info("%s", self.at_rest(state))
             now = time.monotonic()
@@ -122,6 +134,13 @@ class MemoryMonitor:
         for crossing in fired:
             log.warning("memory pressure on %s: %s", crossing.card, crossing.line)
             self.on_pressure(crossing)
+
+    def _own_pids(self) -> set[int]:
+        try:
+            return set(self.own_pids())
+        except Exception:  # not knowing whose memory it is is no reason to stop watching
+            log.exception("finding the servers' processes failed")
+            return set()
 
     def _pace(self) -> float:
         states = self.cards.values()
@@ -164,6 +183,8 @@ class MemoryMonitor:
             use = f"{last.used_mib:,.0f} MiB used"
         else:
             use = f"{state.rest_free:,.0f} MiB free of {last.total_mib:,.0f} at rest"
+            if state.rest_how.startswith("held"):
+                use += f" (its memory {state.rest_how})"
         acts_on = self.lines.acts_on(last.total_mib, state.rest_free)
         return f"{state.card}: {use}; hands off on {acts_on}"
 
@@ -200,6 +221,7 @@ class MemoryMonitor:
         return False
 
     def status(self) -> dict:
+        now = time.monotonic()
         with self._lock:
             return {
                 "alive": self.alive,
@@ -213,18 +235,44 @@ class MemoryMonitor:
                         "total_mib": None if s.last is None else s.last.total_mib,
                         "floor_mib": None
                         if s.last is None
-                        else round(self.lines.acts_at(s.last.total_mib, s.rest_free), 1),
+                        else round(self.lines.acts_at(s.last.total_mib, s.counts_from), 1),
                         "rest_free_mib": None if s.rest_free is None else round(s.rest_free, 1),
                         "acts_on": None
                         if s.last is None
-                        else self.lines.acts_on(s.last.total_mib, s.rest_free),
+                        else self.lines.acts_on(s.last.total_mib, s.counts_from),
                         "armed": s.armed,
                         "fired": s.fired,
                         "error": s.error,
+                        **self._since(s, now),
                     }
                     for card, s in self.cards.items()
                 },
             }
+
+    def _since(self, state: CardState, now: float) -> dict:
+        """What the card acts on now and since when (seconds ago), and who holds its
+        memory where the source says (pid: MiB, and whether it is a server's own)."""
+        last = state.last
+        if last is None:
+            return {}
+        if state.armed:
+            since, why = state.rest_since, f"at rest since: {state.rest_how}"
+            if state.clear_since is not None and now - state.clear_since < 3600:
+                since, why = state.clear_since, "re-armed: memory came back"
+        else:
+            since, why = state.fired_at, f"pressured: {state.fired_for}"
+        settling = None
+        if last.free_mib is not None and not state.armed:
+            settling = round(max(self.lines.settle_s - state.still.held(now), 0.0), 1)
+        return {
+            "state": why,
+            "since_s": None if since is None else round(now - since, 1),
+            "rearms_if_still_for_s": settling,
+            "own_mib": None if state.own_mib is None else round(state.own_mib, 1),
+            "holders": None
+            if last.held is None
+            else [{"pid": pid, "mib": round(mib, 1)} for pid, mib in last.held],
+        }
 
 
 class _Wakeup:

@@ -7,6 +7,9 @@ import time
 
 from watchers.reading import MIB, CardFailure, NotApplicable, Reading
 
+HELD_EVERY_S = 5.0  # who holds a card's memory is asked again this often, or on a change
+HELD_CHANGE_MIB = 8.0
+
 
 def card_id(index: int) -> str:
     return f"nvml:{index}"
@@ -29,6 +32,9 @@ class NvmlSource:
         self.handles: list = []
         self.uuids: list[str] = []
         self.reserved_mib: dict[str, float] = {}  # the driver's own reserve, where v2 tells
+        # card -> (used when asked, when, (pid, MiB) pairs or None): the process lists
+        # cost more than the memory query, so they are asked only when use moved.
+        self._held: dict[str, tuple[float, float, tuple[tuple[int, float], ...] | None]] = {}
         try:
             pynvml.nvmlInit()
             self._enumerate()
@@ -71,8 +77,39 @@ class NvmlSource:
             except self._nvml.NVMLError as exc:
                 readings.append(CardFailure(card, str(exc)))
                 continue
-            readings.append(Reading(card, used, total, time.monotonic()))
+            now = time.monotonic()
+            readings.append(
+                Reading(card, used, total, now, held=self._holders(card, handle, used, now))
+            )
         return readings
+
+    def _holders(
+        self, card: str, handle, used: float, now: float
+    ) -> tuple[tuple[int, float], ...] | None:
+        """(pid, MiB) for each process on the card, asked again when its use moved or
+        every HELD_EVERY_S; None where the driver does not say (some hide the figure)."""
+        known = self._held.get(card)
+        if (
+            known is not None
+            and abs(known[0] - used) < HELD_CHANGE_MIB
+            and now - known[1] < HELD_EVERY_S
+        ):
+            return known[2]
+        nvml, held = self._nvml, {}
+        try:
+            for query in (
+                nvml.nvmlDeviceGetComputeRunningProcesses,
+                nvml.nvmlDeviceGetGraphicsRunningProcesses,
+            ):
+                for process in query(handle):
+                    if process.usedGpuMemory is None:
+                        raise LookupError  # hidden: whose memory it is cannot be told
+                    held[process.pid] = max(held.get(process.pid, 0.0), process.usedGpuMemory / MIB)
+            pairs: tuple[tuple[int, float], ...] | None = tuple(sorted(held.items()))
+        except (nvml.NVMLError, LookupError):
+            pairs = None
+        self._held[card] = (used, now, pairs)
+        return pairs
 
     def _memory(self, card: str, handle) -> tuple[float, float]:
         """(used, usable total) in MiB. NVML's v2 query counts the driver's reserve (about

@@ -3,8 +3,7 @@
 Pressure is memory taken from a card's servers, not a level. People size a model to fill
 its card (a few hundred MiB free at rest is normal), and what kills an answer is another
 process loading onto it: a step (the report this project started from: +5,041 MiB at
-once, the card otherwise dead flat). So each card keeps its free memory at rest (the
-most it had free since it was first read, or since a server on it came up), and the
+once, the card otherwise dead flat). So each card keeps its free memory at rest, and the
 lines are in MiB of free memory, measured against that:
 
 - the floor: free memory at or below 3 % of the card, at least 512 MiB, at most 2 GiB;
@@ -14,10 +13,20 @@ lines are in MiB of free memory, measured against that:
 - a step: use rose by at least `step_mib` within `window_s` and what is left is at most
   the floor plus twice the rise: two more steps like it would reach the floor.
 
+The rest is what the card had free when first read, raised at once when memory comes
+back, and moved to where the card's memory has held still (within a quarter of a step)
+for `settle_s`: memory another program keeps, or a model reloaded behind an open port,
+is the card's new rest rather than pressure for good. What the card's own servers hold,
+where the source tells (NVML's process list, DRM fdinfo), moves the rest with it, so
+their growing or reloading never fires. A server coming up after loading settles its
+card at once.
+
 A line must hold on two readings in a row (the monitor takes the second a few ms after
-the first), so one noisy reading never fires; a card that fired re-arms once it has
-`rearm_mib` more than its floor free, or has three quarters of what was taken back
-(whichever comes first), and no step is under way.
+the first), so one noisy reading never fires. While pressured, the lines count from what
+the card had free when it fired, so each further step fires again. A card that fired
+re-arms once it has `rearm_mib` more than its floor free, or three quarters of what was
+taken back (whichever comes first), and no step is under way; or once its memory has held
+still for `settle_s` (that level is then its rest).
 """
 
 from __future__ import annotations
@@ -40,6 +49,12 @@ class Lines:
     step_mib: float = 1024
     rearm_mib: float = 1024
     window_s: float = 0.25
+    settle_s: float = 30.0  # memory held still this long is the card's new rest
+
+    @property
+    def still_mib(self) -> float:
+        """How far a card's level may wander and still count as holding still."""
+        return self.step_mib / 4
 
     def floor(self, total_mib: float | None) -> float:
         """The floor for a card of this size, as configured."""
@@ -108,6 +123,28 @@ class Crossing:
 
 
 @dataclass
+class Stillness:
+    """How long a card's level (the memory others hold on it) has stayed within a band."""
+
+    since: float | None = None
+    low: float = 0.0
+    high: float = 0.0
+
+    def update(self, at: float, level: float, band_mib: float) -> None:
+        low, high = min(self.low, level), max(self.high, level)
+        if self.since is None or high - low > band_mib:
+            self.since, self.low, self.high = at, level, level
+        else:
+            self.low, self.high = low, high
+
+    def held(self, now: float) -> float:
+        return 0.0 if self.since is None else now - self.since
+
+    def restart(self) -> None:
+        self.since = None
+
+
+@dataclass
 class CardState:
     card: str
     last: Reading | None = None
@@ -116,64 +153,130 @@ class CardState:
     fired: int = 0
     fired_for: str | None = None  # the line it last fired on
     fired_at: float | None = None  # the reading it last fired on (time.monotonic())
-    clear_since: float | None = None  # when it was last re-armed (reading time)
+    clear_since: float | None = None  # when it was last re-armed by memory coming back
     suspect: Reading | None = None  # a reading over a line, awaiting confirmation
     below: float | None = None  # the time of the last reading under every line
-    rest_free: float | None = None  # the most it had free since first read or settled
+    rest_free: float | None = None  # what it has free at rest (see the module's doc)
+    rest_since: float | None = None  # the reading that rest was taken at
+    rest_how: str = ""  # why that is its rest, in words
+    # While pressured: what it had free when it last fired. Its lines count from there,
+    # so a further step fires again.
+    pressed_free: float | None = None
+    # What the card's own servers hold on it, where the source tells (None: not known);
+    # their growing, shrinking or reloading moves the rest with it and is never a step.
+    own_mib: float | None = None
+    still: Stillness = field(default_factory=Stillness)
     history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
-    def crossed(self, reading: Reading, lines: Lines) -> str | None:
-        """Which line the reading crosses, if any."""
-        free, floor = reading.free_mib, lines.acts_at(reading.total_mib, self.rest_free)
+    def crossed(
+        self, reading: Reading, lines: Lines, level: float | None = None,
+        rest_free: float | None = None,
+    ) -> str | None:  # fmt: skip
+        """Which line the reading crosses, if any, for a card that had `rest_free` free
+        (default: its rest, or, while pressured, what it had when it last fired);
+        `level`: the memory others hold there (default: all used)."""
+        if rest_free is None:
+            rest_free = self.counts_from
+        free, floor = reading.free_mib, lines.acts_at(reading.total_mib, rest_free)
         if free is not None and free <= floor:
             return f"{free:,.0f} MiB free (floor {floor:,.0f})"
         # Readings far apart (a remote card's scrapes): the rise between the last ones.
         window = max(lines.window_s, 2 * (reading.fresh_s or 0.0))
         recent = [used for t, used in self.history if reading.time - t <= window]
         if recent:
-            rise = reading.used_mib - min(recent)
+            rise = (reading.used_mib if level is None else level) - min(recent)
             if rise >= lines.step_mib and (
-                free is None or free <= lines.step_leaves(rise, reading.total_mib, self.rest_free)
+                free is None or free <= lines.step_leaves(rise, reading.total_mib, rest_free)
             ):
                 left = "" if free is None else f", {free:,.0f} MiB left"
                 return f"step +{rise:,.0f} MiB{left}"
         return None
 
-    def clear(self, reading: Reading, lines: Lines) -> bool:
+    def clear(self, reading: Reading, lines: Lines, level: float | None = None) -> bool:
         free = reading.free_mib
         room = free is None or free >= lines.clear_at(reading.total_mib, self.rest_free)
-        return room and self.crossed(reading, lines) is None
+        return room and self.crossed(reading, lines, level, self.rest_free) is None
 
-    def observe(self, reading: Reading, lines: Lines) -> Crossing | None:
-        """Take a reading; the crossing when this card must hand off now, else None."""
+    def observe(
+        self, reading: Reading, lines: Lines, own_mib: float | None = None
+    ) -> Crossing | None:
+        """Take a reading (with what the card's own servers hold there, where known); the
+        crossing when this card must hand off now, else None."""
         self.error = None
-        if reading.free_mib is not None:
-            self.rest_free = max(self.rest_free or 0.0, reading.free_mib)
-        line = self.crossed(reading, lines)
+        self._follow_own(own_mib)
+        level = reading.used_mib - (self.own_mib or 0.0)
+        free = reading.free_mib
+        if free is not None and (self.rest_free is None or free > self.rest_free):
+            self._rest(
+                free, reading.time, "memory back" if self.rest_free is not None else "first read"
+            )
+        self.still.update(reading.time, level, lines.still_mib)
+        line = self.crossed(reading, lines, level)
         self.last = reading
         if line is None:
             self.below = reading.time
-        if not self.armed:
-            if self.clear(reading, lines):
-                self.armed = True
-                self.clear_since = reading.time
-            self.suspect = None
-        elif line is None:
+        if not self.armed and self.clear(reading, lines, level):
+            self.armed, self.clear_since, self.suspect = True, reading.time, None
+        elif self._held_still(reading, lines) and free is not None:
+            self._rest(free, reading.time, f"held still {lines.settle_s:g} s")
+            self.armed, self.suspect, self.pressed_free = True, None, None
+            line = None
+        if line is None:
             self.suspect = None
         elif self.suspect is None:
             self.suspect = reading
             return None  # keep the baseline: the next reading confirms against it
         else:
-            crossing = Crossing(self.card, line, self.suspect.time, reading.time, self.below)
-            self.suspect = None
-            self.armed = False
-            self.fired += 1
-            self.fired_for = line
-            self.fired_at = reading.time
-            self.history.append((reading.time, reading.used_mib))
-            return crossing
-        self.history.append((reading.time, reading.used_mib))
+            return self._fire(reading, line, level)
+        self.history.append((reading.time, level))
         return None
+
+    def _fire(self, reading: Reading, line: str, level: float) -> Crossing:
+        crossing = Crossing(self.card, line, self.suspect.time, reading.time, self.below)
+        self.suspect = None
+        self.armed = False
+        self.pressed_free = reading.free_mib
+        self.fired += 1
+        self.fired_for = line
+        self.fired_at = reading.time
+        self.history.clear()  # a further step counts from here
+        self.history.append((reading.time, level))
+        return crossing
+
+    def _held_still(self, reading: Reading, lines: Lines) -> bool:
+        """Whether what others hold has stayed put for `settle_s` at a level that is not
+        the card's rest (pressured, or less free than its rest): memory that stays taken
+        is the card's new rest."""
+        free = reading.free_mib
+        if self.still.held(reading.time) < lines.settle_s or free is None:
+            return False
+        return not self.armed or (
+            self.rest_free is not None and free < self.rest_free - lines.still_mib
+        )
+
+    def _follow_own(self, own_mib: float | None) -> None:
+        """The card's own servers took or gave back memory: its rest moves with them.
+        Where that becomes known or unknown, earlier levels are not comparable."""
+        before, self.own_mib = self.own_mib, own_mib
+        if (before is None) != (own_mib is None):
+            self.history.clear()
+            self.still.restart()
+            self.suspect = None
+        elif before is not None and own_mib is not None and own_mib != before:
+            shift = own_mib - before
+            if self.rest_free is not None:
+                self.rest_free -= shift
+            if self.pressed_free is not None:
+                self.pressed_free -= shift
+
+    def _rest(self, free: float, at: float, how: str) -> None:
+        self.rest_free, self.rest_since, self.rest_how = free, at, how
+
+    @property
+    def counts_from(self) -> float | None:
+        """The free memory its lines count from now: its rest, or, while pressured, what
+        it had free when it last fired."""
+        return self.rest_free if self.armed else self.pressed_free
 
     def within(self, lines: Lines, margin_mib: float) -> bool:
         """Whether a sudden allocation of at most `margin_mib` would cross a line (or the
@@ -192,10 +295,10 @@ class CardState:
         if not self.armed and (self.fired_at is None or self.fired_at < since):
             return False
         changed = not self.armed or self.rest_free != self.last.free_mib
-        self.rest_free = self.last.free_mib
-        self.armed, self.suspect, self.clear_since = True, None, None
+        self._rest(self.last.free_mib, self.last.time, "its server came up")
+        self.armed, self.suspect, self.clear_since, self.pressed_free = True, None, None, None
         self.history.clear()
-        self.history.append((self.last.time, self.last.used_mib))
+        self.history.append((self.last.time, self.last.used_mib - (self.own_mib or 0.0)))
         return changed
 
     def pressed(self, now: float, dwell_s: float) -> str | None:

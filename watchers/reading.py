@@ -17,10 +17,19 @@ class Reading:
     # How long it stays fresh, for a source whose readings arrive at their own pace (a
     # remote card, scraped every few seconds); None: the monitor's bound for local cards.
     fresh_s: float | None = None
+    # Who holds its memory, where the source tells (NVML's process list, DRM fdinfo):
+    # (pid, MiB) pairs; None where it cannot.
+    held: tuple[tuple[int, float], ...] | None = None
 
     def fresh_for(self, default_s: float) -> float:
         """How long after `time` it counts: its own bound, else `default_s`."""
         return self.fresh_s or default_s
+
+    def held_by(self, pids: set[int]) -> float | None:
+        """What these processes hold on the card, where the source tells."""
+        if self.held is None:
+            return None
+        return sum(mib for pid, mib in self.held if pid in pids)
 
     @property
     def free_mib(self) -> float | None:

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 WATCH_OPTIONS = {
     "spillover_watch", "spillover_sources", "spillover_sysfs_root", "spillover_proc_root",
     "spillover_interval_ms", "spillover_free_floor_mib", "spillover_step_mib",
-    "spillover_rearm_mib", "spillover_cards", "spillover_prometheus",
+    "spillover_rearm_mib", "spillover_settle_s", "spillover_cards", "spillover_prometheus",
     "spillover_prometheus_token", "spillover_prometheus_interval_ms", "spillover_remote_cards",
 }  # fmt: skip
 
@@ -71,6 +71,13 @@ class MemoryWatch:
             "spillover_rearm_mib", int, 1024,
             "A card that fired is clear again once it has this much more than its floor "
             "free, or three quarters of what was taken back.",
+        )  # fmt: skip
+        add(
+            "spillover_settle_s", int, 30,
+            "A card whose memory has held still this long (within a quarter of "
+            "spillover_step_mib) takes that as its rest: memory another program keeps, or a "
+            "model reloaded behind an open port, stops being pressure, and the next step "
+            "hands off again.",
         )  # fmt: skip
         add(
             "spillover_dwell_s", int, 30,
@@ -175,9 +182,15 @@ class MemoryWatch:
             free_floor_mib=options.spillover_free_floor_mib,
             step_mib=options.spillover_step_mib,
             rearm_mib=options.spillover_rearm_mib,
+            settle_s=options.spillover_settle_s,
         )
+        card_map_now = self.card_map
         self.monitor = MemoryMonitor(
-            sources, self._on_pressure, lines, interval=options.spillover_interval_ms / 1000
+            sources,
+            self._on_pressure,
+            lines,
+            interval=options.spillover_interval_ms / 1000,
+            own_pids=lambda: card_map_now.server_pids(self.servers()),
         )
         self.hotplug = HotplugEvents(rescan=self.monitor.rescan, sample_now=self.monitor.wake)
         try:
@@ -257,9 +270,25 @@ class MemoryWatch:
         else:
             log.info("pressure on %s, which none of the servers uses: %s", card, crossing.line)
 
+    def _name_holders(self, cards: dict) -> None:
+        """Each process holding a card's memory (where its source says) with its name,
+        and whether it is one of the servers'."""
+        if self.card_map is None or not any(c.get("holders") for c in cards.values()):
+            return
+        proc = Path(ctx.options.spillover_proc_root)
+        own = self.card_map.server_pids(self.servers())
+        for card in cards.values():
+            for holder in card.get("holders") or ():
+                try:
+                    holder["name"] = (proc / str(holder["pid"]) / "comm").read_text().strip()
+                except OSError:
+                    holder["name"] = "?"
+                holder["server"] = holder["pid"] in own
+
     def status(self) -> dict:
         monitor = self.monitor
         state = monitor.status() if monitor else {"alive": False}
+        self._name_holders(state.get("cards", {}))
         for source in self.sources:
             for card, reserved in getattr(source, "reserved_mib", {}).items():
                 if card in state.get("cards", {}) and reserved >= 0:
