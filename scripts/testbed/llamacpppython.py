@@ -22,6 +22,9 @@ from scripts.testbed.llamabin import BUILD_VARIANTS, CACHE, cpu_key
 from scripts.testbed.trial import file_identity, first_build_that_runs, verdict
 
 PACKAGE = "llama-cpp-python[server]==0.3.36"
+# No wheel cache: pip keys a built wheel by the sdist alone, so a later variant would get
+# the first one's build whatever CMAKE_ARGS says (seen: three variants, one native wheel).
+PIP_FLAGS = ("--disable-pip-version-check", "--no-cache-dir")
 BUILD_FLAGS = (
     "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
@@ -47,7 +50,7 @@ def _build(variant: str) -> Path:
     print(f"llama-cpp-python: building {PACKAGE}, {variant} (once, about 5 min)", file=sys.stderr)
     flags = " ".join((*BUILD_FLAGS, *BUILD_VARIANTS[variant]))
     subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", PACKAGE],
+        [str(python), "-m", "pip", "install", "-q", *PIP_FLAGS, PACKAGE],
         check=True,
         env={**os.environ, "CMAKE_ARGS": flags, "FORCE_CMAKE": "1"},
     )
