@@ -17,6 +17,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard, FakeProcess, write_in_place
 from scripts.testbed.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
+from tests.test_cli import spillover
 from tests.test_routing import CONTROL, state_of, wait_for
 
 LONG = 800
@@ -148,6 +149,8 @@ def test_the_primarys_model_unloaded_and_loaded_again_is_never_pressure(
     assert card["own_mib"] == 23 * 1024
     holders = {h["pid"]: h for h in card["holders"]}
     assert holders[primary.pid]["server"] and not holders[other_pid(other)]["server"]
+    said = spillover("status", "--proxy", proxy.url).stdout
+    assert f"held by: llama-server {primary.pid} (a server) 23,552 MiB, desktop" in said
     assert state_of(proxy, primary.url) == "ok"
     stream = read_stream(
         proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and other.hold(200 + 800)

@@ -117,3 +117,35 @@ def test_a_rescan_reinitialises_and_names_the_cards_that_changed(nvml) -> None:
     module.state.cards.append(Card("GPU-c", 2, 8192 * MIB, 0))  # added after it
     assert source.rescan() == {"nvml:1"}
     assert source.rescan() == set()  # nothing changed
+
+
+def test_who_holds_a_cards_memory_is_asked_when_its_use_moves(nvml) -> None:
+    """Compute and graphics lists (a process in both counted once); asked again only when
+    use moved, and no figure at all where the driver hides one process's (containers,
+    WDDM): then whose memory it is cannot be told."""
+    module = nvml([Card("GPU-a", 0, total=24576 * MIB, used=23000 * MIB)])
+    asked = []
+
+    def compute(card: Card) -> list:
+        asked.append(card.used)
+        return [types.SimpleNamespace(pid=10, usedGpuMemory=card.used - 300 * MIB)]
+
+    module.nvmlDeviceGetComputeRunningProcesses = compute
+    module.nvmlDeviceGetGraphicsRunningProcesses = lambda card: [
+        types.SimpleNamespace(pid=20, usedGpuMemory=300 * MIB),
+        types.SimpleNamespace(pid=10, usedGpuMemory=card.used - 300 * MIB),
+    ]
+    source = NvmlSource()
+    (reading,) = source.read()
+    assert reading.held == ((10, 22700), (20, 300)) and reading.held_by({10}) == 22700
+    source.read()
+    assert len(asked) == 1  # use has not moved
+    module.state.cards[0].used = 23500 * MIB
+    (reading,) = source.read()
+    assert len(asked) == 2 and reading.held == ((10, 23200), (20, 300))
+    module.nvmlDeviceGetGraphicsRunningProcesses = lambda card: [
+        types.SimpleNamespace(pid=20, usedGpuMemory=None)
+    ]
+    module.state.cards[0].used = 24000 * MIB
+    (reading,) = source.read()
+    assert reading.held is None and reading.held_by({10}) is None

@@ -16,6 +16,7 @@ def summary(status: dict[str, Any]) -> list[str]:
         *server_lines(status),
         *answer_lines(status.get("live") or []),
         *handoff_lines(status.get("recent_handoffs") or []),
+        *declined_lines(status.get("declined_handoffs") or {}),
     ]
 
 
@@ -36,7 +37,30 @@ def card_lines(memory: dict[str, Any]) -> list[str]:
         fired = f"fired {state.get('fired') or 0} times"
         armed = f"armed ({fired})" if state.get("armed") else f"{fired}, not re-armed yet"
         lines.append(f"  {card}: {size}; {armed}")
+        lines += [f"    {said}" for said in card_now(state)]
     return lines
+
+
+def card_now(state: dict[str, Any]) -> list[str]:
+    """What a card acts on now and since when, and who holds its memory (where its source
+    says): for `status` and the live view."""
+    said = []
+    if state.get("state"):
+        ago = state.get("since_s")
+        when = "" if ago is None else f" ({ago:,.0f} s ago)"
+        said.append(f"{state['state']}{when}; hands off on {state.get('acts_on')}")
+    if (left := state.get("rearms_if_still_for_s")) is not None:
+        said.append(f"re-arms at this level if it holds still {left:,.0f} s more")
+    if holders := state.get("holders"):
+        said.append(
+            "held by: "
+            + ", ".join(
+                f"{h.get('name', '?')} {h['pid']}{' (a server)' if h.get('server') else ''} "
+                f"{h['mib']:,.0f} MiB"
+                for h in sorted(holders, key=lambda h: -h["mib"])
+            )
+        )
+    return said
 
 
 def server_lines(status: dict[str, Any]) -> list[str]:
@@ -88,4 +112,17 @@ def handoff_lines(recent: list[dict[str, Any]]) -> list[str]:
             f"  {at} {handoff['kind']} {handoff['source']} -> {handoff['target']} "
             f"after {handoff['at_token']} tokens, {pause}"
         )
+    return lines
+
+
+def declined_lines(declined: dict[str, Any]) -> list[str]:
+    """Handoffs not made, the answer left where it was, and why the last ones were not."""
+    counts = declined.get("counts") or {}
+    if not counts:
+        return []
+    kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items()))
+    lines = [f"handoffs declined: {sum(counts.values())} ({kinds})"]
+    for entry in reversed((declined.get("recent") or [])[-LAST_HANDOFFS:]):
+        at = time.strftime("%H:%M:%S", time.localtime(entry["at"]))
+        lines.append(f"  {at} {entry['kind']} on {entry['server']}: {entry['why']}")
     return lines
