@@ -176,7 +176,7 @@ def test_header_bytes_and_the_status_line_pass_through(primary, proxy) -> None:
 
 
 def test_where_a_new_request_may_start_without_the_primary() -> None:
-    credentials = Credentials({"http://own-key": "k"}, forward="http://forwarded")
+    credentials = Credentials({"http://own-key": "k"}, forward={"http://forwarded"})
     assert credentials.may_start_on("http://open", "http://primary", frozenset())
     assert not credentials.may_start_on(
         "http://open", "http://primary", frozenset({"http://primary"})

@@ -25,7 +25,9 @@ REFRESH_SECONDS = 10.0
 
 
 def parse_card_map(text: str) -> dict[str, set[str]]:
-    """ "URL=card+card,URL=card" -> {URL: {cards}}; raises ValueError on a malformed entry."""
+    """ "URL=card+card,URL=card" -> {URL as given: {cards}}; raises ValueError on a malformed
+    entry. The URLs are the servers' as a person spelled them: the addon and the doctor
+    key the map by the servers they name (addon/servers/keyed.py) before it is used."""
     mapping: dict[str, set[str]] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         url, sep, cards = entry.rpartition("=")
@@ -35,9 +37,10 @@ def parse_card_map(text: str) -> dict[str, set[str]]:
                 "http://127.0.0.1:8081=nvml:0+nvml:1,http://127.0.0.1:8082=ram; "
                 "`spillover doctor` lists the cards here)"
             )
-        if "://" not in url:
-            raise ValueError(f"spillover_cards entry {entry!r}: {url!r} is no server URL")
-        mapping[url.rstrip("/")] = {c.strip() for c in cards.split("+") if c.strip()}
+        url = url.strip().rstrip("/")
+        if url in mapping:
+            raise ValueError(f"spillover_cards: {url} is named twice: name it once")
+        mapping[url] = {c.strip() for c in cards.split("+") if c.strip()}
     return mapping
 
 

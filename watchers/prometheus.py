@@ -67,7 +67,9 @@ def parse_selectors(text: str) -> dict[str, list[Matcher]]:
                 except re.error as exc:
                     raise ValueError(f"spillover_remote_cards: {value!r}: {exc}") from None
             matchers.append(Matcher(matcher[1], op, value))
-        found[entry[1].rstrip("/")] = matchers
+        if (url := entry[1].rstrip("/")) in found:
+            raise ValueError(f"spillover_remote_cards: {url} is named twice: name it once")
+        found[url] = matchers
     return found
 
 

@@ -12,15 +12,33 @@ from addon.servers.upstream import Upstream
 
 def same_server(url: str, host: str, port: int) -> bool:
     """Whether a connection to `host`:`port` reaches the server at `url`: same port, and
-    the same address or two addresses of this machine (a server listening on all of
-    them is reached through any)."""
+    the same host, the same address once resolved, or two addresses of this machine (a
+    server listening on all of them is reached through any)."""
     named = urlsplit(url).hostname
-    if not named or Upstream(url).port != port:
+    return bool(named) and Upstream(url).port == port and same_host(named or "", host)
+
+
+def same_address(url: str, other: str) -> bool:
+    """Whether two well-formed server URLs reach one server: one scheme, one port (the
+    scheme's own where none is given) and one host as `same_server` tells it; a path is
+    no part of it."""
+    there = urlsplit(other)
+    if urlsplit(url).scheme != there.scheme:
         return False
+    return same_server(url, there.hostname or "", Upstream(other).port)
+
+
+def url_of(scheme: str, host: str, port: int) -> str:
+    """A server's URL from its parts (an IPv6 address in brackets)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def same_host(named: str, host: str) -> bool:
     if named == host:
         return True
     try:
-        return is_local(address_of(named)) and is_local(address_of(host))
+        here, there = address_of(named), address_of(host)
+        return here == there or (is_local(here) and is_local(there))
     except (OSError, ValueError):
         return False
 

@@ -13,7 +13,7 @@ as the client sent it, its credentials included.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from mitmproxy import exceptions
@@ -23,6 +23,7 @@ CLIENT_CREDENTIALS = {
     b"authorization", b"x-api-key", b"api-key", b"cookie", b"proxy-authorization",
 }  # fmt: skip
 REDACTED = b"(redacted)"
+EVERY_FALLBACK = "all"  # spillover_forward_credentials's word for every fallback
 
 
 def read_secret(value: str) -> str:
@@ -45,22 +46,34 @@ def url_pairs(option: str, name: str, what: str) -> dict[str, str]:
         url, sep, value = item.partition("=")
         if not sep or not url or not value:
             raise exceptions.OptionsError(f"{name}: expected URL={what}, got {item!r}")
-        pairs[url.rstrip("/")] = value
+        url = url.strip().rstrip("/")
+        if url in pairs:
+            raise exceptions.OptionsError(f"{name}: {url} is named twice: name it once")
+        pairs[url] = value.strip()
     return pairs
 
 
-def parse_keys(option: str) -> dict[str, str]:
-    """`URL=KEY,URL=@/path/to/file` -> {URL: KEY}."""
-    pairs = url_pairs(option, "spillover_server_keys", "KEY")
-    return {url: read_secret(key) for url, key in pairs.items()}
+def forwarded(option: str) -> dict[str, bool]:
+    """spillover_forward_credentials's URLs as {URL: True} (`all` is none of them)."""
+    names = (part.strip().rstrip("/") for part in option.split(","))
+    return {name: True for name in names if name and name != EVERY_FALLBACK}
+
+
+def forwards_to_all(option: str) -> bool:
+    return EVERY_FALLBACK in (part.strip() for part in option.split(","))
 
 
 class Credentials:
-    def __init__(self, keys: dict[str, str] | None = None, forward: str = "") -> None:
+    def __init__(
+        self,
+        keys: dict[str, str] | None = None,
+        forward: Collection[str] = (),
+        forward_all: bool = False,
+    ) -> None:
+        """`keys` and `forward` name servers by their URLs as configured."""
         self.keys = keys or {}
-        names = {part.strip().rstrip("/") for part in forward.split(",") if part.strip()}
-        self.forward_all = "all" in names
-        self.forward = names - {"all"}
+        self.forward_all = forward_all
+        self.forward = set(forward)
 
     def question_headers(self, url: str) -> dict[str, str]:
         """Headers for the addon's own questions to a server."""

@@ -18,18 +18,11 @@ EVERY_INTERFACE = ("", "*")  # mitmproxy's listen_host for all of them
 
 
 def url_mistake(url: str, role: str) -> str | None:
-    """What is wrong with one server's URL (`role`: primary, fallback), or None."""
-    if "://" not in url:  # mitmproxy would take it for https
-        return f"{role} {url} has no scheme: did you mean http://{url}?"
+    """What is wrong with one server's URL (`role`: primary, fallback), or None. Every
+    command that takes a server's or the proxy's URL says this same line."""
+    if mistake := address_mistake(url, role):
+        return mistake
     parts = urlsplit(url)
-    if parts.scheme.lower() not in SCHEMES:
-        return f"{role} {url}: the scheme is {parts.scheme}://, not http:// or https://"
-    if not parts.hostname:
-        return f"{role} {url} names no host"
-    try:
-        parts.port  # noqa: B018 (it raises for a port out of range or not a number)
-    except ValueError:
-        return f"{role} {url}: its port is not a number from 0 to 65535"
     path = parts.path.rstrip("/")
     if path or parts.query or parts.fragment:
         server = f"{parts.scheme}://{parts.netloc}"
@@ -38,6 +31,25 @@ def url_mistake(url: str, role: str) -> str | None:
             f"{role} {url}: drop the {said} (give {server}): the proxy serves the "
             "server's own paths, so clients keep theirs"
         )
+    return None
+
+
+def address_mistake(url: str, role: str) -> str | None:
+    """What keeps `url` from naming an address (scheme, host, port), or None."""
+    if "://" not in url:  # mitmproxy would take it for https
+        return f"{role} {url} has no scheme: did you mean http://{url}?"
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        return f"{role} {url} is not a URL"
+    if parts.scheme.lower() not in SCHEMES:
+        return f"{role} {url}: the scheme is {parts.scheme}://, not http:// or https://"
+    if not parts.hostname:
+        return f"{role} {url} names no host"
+    try:
+        parts.port  # noqa: B018 (it raises for a port out of range or not a number)
+    except ValueError:
+        return f"{role} {url}: its port is not a number from 0 to 65535"
     return None
 
 

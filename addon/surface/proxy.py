@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mitmproxy import command, ctx, exceptions, flow, http
-from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
+from mitmproxy.proxy.mode_specs import ReverseMode
 
 from addon.answer.early import add_refusal_options
 from addon.answer.endpoint import SpliceEndpoint
@@ -20,9 +20,8 @@ from addon.formats.carried import SPLICED, arrives_in_pieces, recorded, spliceab
 from addon.handoff.migration import add_migration_options
 from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
-from addon.servers.addresses import same_server
-from addon.servers.credentials import Credentials, parse_keys, url_pairs
-from addon.servers.declared import parse_ways
+from addon.servers import keyed
+from addon.servers.addresses import same_server, url_of
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
@@ -146,23 +145,36 @@ class Spillover:
             self.control.configure(options.spillover_control_token)
         if "spillover_siblings" in updated:
             self.control.siblings.configure(options.spillover_siblings)
-        if updated & {"spillover_server_keys", "spillover_forward_credentials"}:
-            keys = parse_keys(options.spillover_server_keys)
-            fleet.use_credentials(Credentials(keys, options.spillover_forward_credentials))
         if "spillover_slot_dir" in updated:
             fleet.use_slot_dir(
                 options.spillover_slot_dir, self._known_primaries() if running else None
             )
-        if "spillover_models" in updated:
-            models = url_pairs(options.spillover_models, "spillover_models", "MODEL")
-            fleet.servers.name_models(models, running)
-        if "spillover_templates" in updated:
-            files = url_pairs(options.spillover_templates, "spillover_templates", "FILE")
-            fleet.servers.name_templates(files, running)
-        if "spillover_continue_by" in updated:
-            fleet.servers.declare_ways(parse_ways(options.spillover_continue_by), running)
+        if updated & (SERVER_OPTIONS | keyed.IN_SPILLOVER):
+            try:
+                self._use_servers(running)
+            except ValueError as exc:  # an entry that names none of the servers, say
+                if running:
+                    raise exceptions.OptionsError(str(exc)) from None
+                refuse_at_start([str(exc)])
+                return
         if "spillover_fallbacks" in updated:
-            fleet.use_fallbacks(options.spillover_fallbacks.split(","), running)
+            fleet.use_fallbacks(keyed.fallbacks_of(options), running)
+
+    def _use_servers(self, running: bool) -> None:
+        """The options that name servers, each kept by the server it names
+        (servers/keyed.py); all are matched before any is used, so that a mistake
+        leaves them all as they were."""
+        options, directory = ctx.options, self.fleet.servers
+        servers = keyed.configured_servers(options)
+        credentials = keyed.credentials_of(options, servers)
+        models, files, ways = (
+            keyed.by_server(name, getattr(options, name), servers)
+            for name in (keyed.MODELS, keyed.TEMPLATES, keyed.WAYS)
+        )
+        self.fleet.use_credentials(credentials)
+        directory.name_models(models, running)
+        directory.name_templates(files, running)
+        directory.declare_ways(ways, running)
 
     async def running(self) -> None:
         if _refuse_to_start(unknown_options(ctx.options.deferred, ctx.options.keys())):
@@ -211,15 +223,7 @@ class Spillover:
         return [u.url for u in (*self._known_primaries(), *self.fleet.fallbacks)]
 
     def _known_primaries(self) -> list[Upstream]:
-        if ctx.options.spillover_primary:
-            return [Upstream(ctx.options.spillover_primary.rstrip("/"))]
-        targets = []
-        for spec in ctx.options.mode:
-            mode = ProxyMode.parse(spec)
-            if isinstance(mode, ReverseMode):
-                host, port = mode.address
-                targets.append(Upstream(f"{mode.scheme}://{host}:{port}"))
-        return targets
+        return [Upstream(url) for url in keyed.primaries_of(ctx.options)]
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.error is not None or recorded(flow):
@@ -358,7 +362,7 @@ def _primary_of(flow: http.HTTPFlow) -> str | None:
     request = flow.request
     named = ctx.options.spillover_primary.rstrip("/")
     if not named:
-        return f"{request.scheme}://{request.host}:{request.port}"
+        return url_of(request.scheme, request.host, request.port)
     if isinstance(flow.client_conn.proxy_mode, ReverseMode):
         return named
     return named if same_server(named, request.host, request.port) else None

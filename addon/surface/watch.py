@@ -13,15 +13,17 @@ from pathlib import Path
 from mitmproxy import ctx, exceptions
 
 from addon.handoff.record import Sensed
+from addon.servers import keyed
 from addon.servers.credentials import read_secret
+from addon.servers.urlchecks import option_mistakes
 from addon.surface.mistakes import refuse_at_start
-from addon.surface.proxy import Spillover
+from addon.surface.proxy import SERVER_OPTIONS, Spillover
 from watchers.cardids import unknown_cards
-from watchers.gates import PROMETHEUS, CardMap, Mapping, parse_card_map
+from watchers.gates import PROMETHEUS, CardMap, Mapping
 from watchers.hotplug import HotplugEvents, UdevObserver
 from watchers.monitor import MemoryMonitor
 from watchers.pressure import Crossing, Lines
-from watchers.prometheus import PrometheusSource, parse_selectors
+from watchers.prometheus import Matcher, PrometheusSource
 from watchers.reading import NotApplicable, Source
 from watchers.sources import ALL, card_map, open_sources
 
@@ -40,6 +42,9 @@ class MemoryWatch:
         self.monitor: MemoryMonitor | None = None
         self.card_map: CardMap | None = None
         self.missing: dict[str, str] = {}
+        # spillover_cards and spillover_remote_cards, by the server each entry names.
+        self.cards: dict[str, set[str]] = {}
+        self.selectors: dict[str, list[Matcher]] = {}
         self.hotplug: HotplugEvents | None = None
         self.sources: list[Source] = []
         self.remote: PrometheusSource | None = None
@@ -117,21 +122,32 @@ class MemoryWatch:
         )  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
-        try:
-            if "spillover_cards" in updated:
-                parse_card_map(ctx.options.spillover_cards)
-            if "spillover_remote_cards" in updated:
-                parse_selectors(ctx.options.spillover_remote_cards)
-        except ValueError as exc:
-            if self._running:  # a change made in mitmweb's or the console's options
-                raise exceptions.OptionsError(str(exc)) from None
-            refuse_at_start([str(exc)])  # one line, and mitmproxy exits 1
-            return
+        named = self.cards, self.selectors
+        # Servers named wrong are the Spillover addon's to say.
+        if updated & (WATCH_OPTIONS | SERVER_OPTIONS) and not option_mistakes(ctx.options):
+            try:
+                named = self._named_cards()
+            except ValueError as exc:
+                if self._running:  # a change made in mitmweb's or the console's options
+                    raise exceptions.OptionsError(str(exc)) from None
+                refuse_at_start([str(exc)])  # one line, and mitmproxy exits 1
+                return
         if "spillover_prometheus_token" in updated:
             read_secret(ctx.options.spillover_prometheus_token)  # an unreadable file: now
-        if self._running and updated & WATCH_OPTIONS:
+        changed, (self.cards, self.selectors) = named != (self.cards, self.selectors), named
+        if self._running and (updated & WATCH_OPTIONS or changed):
             self._stop()
             self._start()
+
+    def _named_cards(self) -> tuple[dict[str, set[str]], dict[str, list[Matcher]]]:
+        """spillover_cards and spillover_remote_cards by the server each entry names
+        (servers/keyed.py)."""
+        options = ctx.options
+        servers = keyed.configured_servers(options)
+        return (
+            keyed.by_server(keyed.CARDS, options.spillover_cards, servers),
+            keyed.by_server(keyed.REMOTE_CARDS, options.spillover_remote_cards, servers),
+        )
 
     def running(self) -> None:
         self._running = True
@@ -142,12 +158,8 @@ class MemoryWatch:
     def _unknown_cards(self) -> list[str]:
         """The cards spillover_cards names that no source reports here (read once now)."""
         assert self.monitor is not None
-        try:
-            named = parse_card_map(ctx.options.spillover_cards)
-        except ValueError:
-            return []  # said in configure
         self.monitor.sample()
-        return unknown_cards(named, self.monitor.seen())
+        return unknown_cards(self.cards, self.monitor.seen())
 
     def done(self) -> None:
         self._running = False
@@ -172,11 +184,11 @@ class MemoryWatch:
         for name, why in self.missing.items():
             log.info("memory source %s not used: %s", name, why)
         self.card_map = card_map(
-            parse_card_map(options.spillover_cards),
+            self.cards,
             sources,
             Path(options.spillover_proc_root),
             Path(options.spillover_sysfs_root),
-            parse_selectors(options.spillover_remote_cards),
+            self.selectors,
         )
         lines = Lines(
             free_floor_mib=options.spillover_free_floor_mib,
