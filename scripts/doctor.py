@@ -28,19 +28,21 @@ from typing import Any
 
 import httpx
 
+from addon.servers import keyed
 from addon.servers.credentials import read_secret
 from addon.servers.directory import ServerDirectory
 from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.info import ServerInfo
 from addon.servers.upstream import Upstream
+from addon.servers.urlchecks import server_mistakes
 from addon.surface.nftables import owner_tables_work
 from scripts.parts import cardorder
 from watchers.cardids import unknown_cards
-from watchers.gates import CardMap, parse_card_map
+from watchers.gates import CardMap
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
 from watchers.nvml import NvmlSource
 from watchers.pressure import Lines
-from watchers.prometheus import PrometheusSource, parse_selectors
+from watchers.prometheus import Matcher, PrometheusSource
 from watchers.reading import CardFailure, NotApplicable, Reading
 from watchers.sources import ALL, card_map, open_sources
 
@@ -50,7 +52,8 @@ EXIT_RULE = (
     "read (no pressure handoff), a server given does not answer as a server (not "
     "running, still loading, a proxy), or --cards names a card no source reports; else "
     "with 0, warnings and the optional parts (--transparent, --capture, KV migration, "
-    "llama-server) aside"
+    "llama-server) aside; with 2 at once, in one line, for a mistake in what it was given "
+    "(a server's URL, a --cards entry that names none of --servers)"
 )
 CAP_NET_ADMIN = 12
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -242,6 +245,24 @@ def _has_capability(bit: int) -> bool:
     return False
 
 
+def named_cards(
+    args: argparse.Namespace, servers: list[str]
+) -> tuple[dict[str, set[str]], dict[str, list[Matcher]]]:
+    """--cards and --remote-cards by the server of `servers` each entry names, as the
+    proxy keeps them; a mistake in these or in the servers' URLs ends the doctor here, in
+    the line the proxy would say."""
+    try:
+        if mistakes := server_mistakes(servers[:1], servers[1:], []):
+            raise ValueError(mistakes[0])
+        return (
+            keyed.by_server(keyed.CARDS, args.cards, servers),
+            keyed.by_server(keyed.REMOTE_CARDS, args.remote_cards, servers),
+        )
+    except ValueError as exc:
+        print(f"doctor: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"It {EXIT_RULE}.")
     parser.add_argument("--servers", default="", help="comma-separated server URLs")
@@ -255,13 +276,10 @@ def main() -> None:
     parser.add_argument("--remote-cards", default="", help="as spillover_remote_cards")
     args = parser.parse_args()
 
+    servers = [s.strip().rstrip("/") for s in args.servers.split(",") if s.strip()]
+    explicit, selectors = named_cards(args, servers)
     lines = Lines(free_floor_mib=args.free_floor_mib)
     print("memory sources (lines: --set spillover_free_floor_mib, _step_mib, _rearm_mib)")
-    try:
-        explicit = parse_card_map(args.cards)
-    except ValueError as exc:
-        print(f"doctor: {exc}", file=sys.stderr)
-        sys.exit(2)
     sources, missing = open_sources(ALL, args.sysfs_root, args.proc_root)
     seen: set[str] = set()
     for source in sources:
@@ -300,7 +318,6 @@ def main() -> None:
     for line in what_is_seen(pci_cards(args.sysfs_root), observer):
         print(f"  {line}")
 
-    servers = [s.strip().rstrip("/") for s in args.servers.split(",") if s.strip()]
     print("\nservers")
     if not servers:
         print(f"  {MISSING}none given: pass --servers PRIMARY,FALLBACK,... (the primary first)")
@@ -308,10 +325,7 @@ def main() -> None:
         for wrong in unknown_cards(explicit, seen):  # the proxy would refuse to start
             print(f"  {MISSING}{wrong}")
             stops.append("spillover_cards names a card that is not here")
-        cards = card_map(
-            explicit, sources, args.proc_root, args.sysfs_root,
-            parse_selectors(args.remote_cards),
-        )  # fmt: skip
+        cards = card_map(explicit, sources, args.proc_root, args.sysfs_root, selectors)
         infos = asyncio.run(ask_servers(servers))
         for url in servers:
             said = describe_server(url, infos[url], cards)
