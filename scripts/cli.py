@@ -34,7 +34,8 @@ from typing import NoReturn
 
 import httpx
 
-from scripts.parts.config import DEFAULTS, ConfigError, settle
+from addon.servers.urlchecks import url_mistake
+from scripts.parts.config import DEFAULTS, ConfigError, named_mistakes, settle
 from scripts.parts.config import mistakes as run_mistakes
 from scripts.parts.options import main as list_options
 from scripts.parts.summary import summary
@@ -73,6 +74,9 @@ def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 
 def status(proxy: str, token: str | None, raw: bool) -> int:
+    if mistake := url_mistake(proxy, "proxy"):
+        print(f"spillover status: {mistake}", file=sys.stderr)
+        return 2
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         reply = httpx.get(f"{proxy.rstrip('/')}/spillover/status", headers=headers, timeout=5)
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         extra = settle(args, extra) + extra
     except ConfigError as exc:
         refuse([str(exc)])
-    if mistakes := run_mistakes(args):
+    if mistakes := run_mistakes(args) or named_mistakes(args, extra):
         refuse(mistakes)
     if (args.transparent or args.capture) and args.primary is None:
         refuse(["--transparent and --capture need --primary"])

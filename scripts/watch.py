@@ -17,6 +17,7 @@ import httpx
 import urwid
 
 from addon.servers.credentials import read_secret
+from addon.servers.urlchecks import url_mistake
 
 PALETTE = [
     ("title", "bold", ""),
@@ -137,6 +138,8 @@ def main() -> None:
     )
     parser.add_argument("--every-s", type=float, default=0.5, help="seconds between redraws")
     args = parser.parse_args()
+    if mistake := url_mistake(args.proxy, "proxy"):
+        parser.exit(2, f"watch: {mistake}\n")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         parser.exit(2, "watch: it draws on a terminal: run it in one (or GET /spillover/status)\n")
     token = read_secret(args.token) if args.token else None

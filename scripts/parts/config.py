@@ -22,6 +22,7 @@ from typing import Any
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.optmanager import parse
 
+from addon.servers.keyed import keyed_mistakes
 from addon.servers.urlchecks import server_mistakes
 from addon.surface.mistakes import PREFIX, closest
 from scripts.parts.options import Declared, declared
@@ -134,14 +135,16 @@ def option(path: Path, name: str, key: object, value: Any, declared: Declared) -
     return text
 
 
-def set_by(extra: Sequence[str]) -> set[str]:
-    """The options that mitmdump arguments set (`--set NAME=VALUE`, `--set=NAME=VALUE`)."""
-    named = set()
+def set_by(extra: Sequence[str]) -> dict[str, str]:
+    """The options that mitmdump arguments set (`--set NAME=VALUE`, `--set=NAME=VALUE`),
+    with the last value each is given."""
+    named = {}
     for at, arg in enumerate(extra):
         spec = extra[at + 1] if arg == "--set" and at + 1 < len(extra) else None
         spec = arg.removeprefix("--set=") if arg.startswith("--set=") else spec
         if spec is not None:
-            named.add(spec.split("=", 1)[0])
+            name, _, value = spec.partition("=")
+            named[name] = value
     return named
 
 
@@ -157,6 +160,17 @@ def mistakes(args: argparse.Namespace) -> list[str]:
         return [f"port {args.port} is not a port (0 to 65535)"]
     fallbacks = [url.strip() for url in args.fallbacks.split(",") if url.strip()]
     return server_mistakes([args.primary], fallbacks, [(args.listen_host, args.port)])
+
+
+def named_mistakes(args: argparse.Namespace, extra: Sequence[str]) -> list[str]:
+    """What is wrong with the options that name servers (addon/servers/keyed.py) as the
+    settings file and mitmdump's arguments give them: an entry that names no server
+    `run` was given, said before mitmdump starts (its addon says the same of a confdir's)."""
+    if args.primary is None:
+        return []
+    fallbacks = [url.strip() for url in args.fallbacks.split(",") if url.strip()]
+    servers = [url.rstrip("/") for url in (args.primary, *fallbacks)]
+    return keyed_mistakes(set_by(extra), servers)
 
 
 def confdir_mistakes(confdir: Path) -> list[str]:
