@@ -16,6 +16,7 @@ from pathlib import Path
 if __package__ != "addon":  # loaded by `mitmdump -s` as a script file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from addon.surface.connlog import ConnectionLog
 from addon.surface.proxy import Spillover
 from addon.surface.redirect import KernelRedirect
 from addon.surface.sseview import register as register_sseview
@@ -23,4 +24,4 @@ from addon.surface.watch import MemoryWatch
 
 register_sseview()
 spillover = Spillover()
-addons = [spillover, MemoryWatch(spillover), KernelRedirect()]
+addons = [spillover, MemoryWatch(spillover), KernelRedirect(), ConnectionLog()]

@@ -2,11 +2,12 @@
 
     spillover run --primary http://127.0.0.1:8081 --fallbacks http://127.0.0.1:8082
     spillover run --config spillover.yaml           (the same, and any option, in a file)
+    spillover run -v ...                            (mitmproxy's log of every connection too)
     spillover run --confdir ~/.config/spillover     (options in its config.yaml)
     spillover run --primary URL --workers 4         (4 proxies behind HAProxy)
     spillover run --primary URL --transparent       (clients keep the primary's URL)
     spillover run --primary URL --transparent --workers 4
-    spillover status [--proxy URL] [--json]
+    spillover status [--config FILE | --proxy URL] [--json]
     spillover options                               (the addon's spillover_* options)
     mitmweb -s "$(spillover addon-path)" --mode reverse:URL@127.0.0.1:8090 \\
         --set web_port=8070                            (the addon by hand, with mitmweb's page)
@@ -14,8 +15,9 @@
 
 `run` starts mitmdump with the addon in front of the primary, so a person need not know
 where the addon's file is; what follows `--` goes to mitmdump as it is (`--set
-spillover_cards=...`, `-w flows.mitm`). `run --config FILE.yaml` reads its settings and the
-addon's options from one file (scripts/parts/config.py); `spillover options` lists those.
+spillover_cards=...`, `-w flows.mitm`). Every command reads its settings from one file,
+`--config FILE.yaml` or ./spillover.yaml (scripts/parts/config.py); `spillover options`
+lists the addon's options.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from pathlib import Path
 from typing import NoReturn
 
 import httpx
+from mitmproxy.exceptions import OptionsError
 
+from addon.servers.credentials import read_secret
 from addon.servers.urlchecks import url_mistake
-from scripts.parts.config import DEFAULTS, ConfigError, named_mistakes, settle
+from scripts.parts.config import DEFAULTS, HELP, load, named_mistakes, settle
 from scripts.parts.config import mistakes as run_mistakes
 from scripts.parts.options import main as list_options
 from scripts.parts.summary import summary
@@ -73,9 +77,16 @@ def mitmdump_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return argv + extra
 
 
-def status(proxy: str, token: str | None, raw: bool) -> int:
+def status(args: argparse.Namespace) -> int:
+    config = load(args.config, "spillover status")
+    proxy = args.proxy or config.proxy_url()
     if mistake := url_mistake(proxy, "proxy"):
         print(f"spillover status: {mistake}", file=sys.stderr)
+        return 2
+    try:
+        token = args.token or read_secret(config.option("control_token") or "")
+    except OptionsError as exc:  # a token file this user may not read
+        print(f"spillover status: {config.path}: control_token: {exc}", file=sys.stderr)
         return 2
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
@@ -86,7 +97,7 @@ def status(proxy: str, token: str | None, raw: bool) -> int:
     if reply.status_code != 200 or "servers" not in reply.text:
         print(f"spillover status: {proxy} is not a spillover proxy (or wants the control token)")
         return 1
-    print(json.dumps(reply.json(), indent=2) if raw else "\n".join(summary(reply.json())))
+    print(json.dumps(reply.json(), indent=2) if args.json else "\n".join(summary(reply.json())))
     return 0
 
 
@@ -110,9 +121,11 @@ def refuse(mistakes: Sequence[str]) -> NoReturn:
 RUN_EPILOG = """\
 What follows `--` goes to mitmdump as it is: mitmproxy's options and the addon's
 (`-- --set spillover_free_floor_mib=256 -w flows.mitm`); `spillover options` lists the
-addon's. A --config file holds the flags' settings (primary, fallbacks: a list, port,
-listen_host, workers) and any spillover_* option by its name, with or without the
-prefix; the flags given win over it.
+addon's. The settings file (--config, or ./spillover.yaml) holds the flags' settings
+(primary, fallbacks: a list, port, listen_host, workers), any spillover_* option by its
+name, with or without the prefix, and mitmdump's own options; the flags given win over
+it. The log holds handoffs, warnings and errors; -v adds mitmproxy's line for every
+connection and flow.
 """
 
 
@@ -125,9 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         "run", help="mitmdump with the addon in front of the primary", allow_abbrev=False,
         epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
+    run.add_argument("--config", type=Path, metavar="FILE.yaml", help=HELP)
     run.add_argument(
-        "--config", type=Path, metavar="FILE.yaml",
-        help="a YAML file of these settings and any spillover_* option (see below)",
+        "-v", "--verbose", action="store_true",
+        help="log every connection and flow, as mitmdump does (default: handoffs, warnings, "
+        "errors)",
     )  # fmt: skip
     run.add_argument("--primary", help="the primary server's URL (http://HOST:PORT)")
     run.add_argument("--fallbacks", help="comma-separated fallback URLs, in order (default: none)")
@@ -159,8 +174,15 @@ def main(argv: list[str] | None = None) -> None:
         "then --primary is not needed where it names the primary)",
     )  # fmt: skip
     state = commands.add_parser("status", help="what the proxy knows now (GET /spillover/status)")
-    state.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
-    state.add_argument("--token", help="the control token, for a proxy on another machine")
+    state.add_argument("--config", type=Path, metavar="FILE.yaml", help=HELP)
+    state.add_argument(
+        "--proxy", help="the proxy's URL (default: the settings file's listen_host and port; "
+        "http://127.0.0.1:8090)",
+    )  # fmt: skip
+    state.add_argument(
+        "--token", help="the control token, for a proxy on another machine (default: the "
+        "settings file's control_token)",
+    )  # fmt: skip
     state.add_argument("--json", action="store_true", help="the proxy's whole answer, as JSON")
     commands.add_parser("options", help="the addon's spillover_* options: type, default, meaning")
     commands.add_parser("addon-path", help="print the addon's file, for mitmdump -s or mitmweb -s")
@@ -173,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args, extra = parser.parse_known_args(argv)
     if args.command == "status":
-        sys.exit(status(args.proxy, args.token, args.json))
+        sys.exit(status(args))
     if args.command == "options":
         list_options()
         return
@@ -183,10 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     if extra and extra[0] != "--":
         parser.error(f"unknown arguments {' '.join(extra)} (mitmdump's go after --)")
     extra = [arg for arg in extra if arg != "--"]
-    try:
-        extra = settle(args, extra) + extra
-    except ConfigError as exc:
-        refuse([str(exc)])
+    extra = settle(args, extra) + extra
     if mistakes := run_mistakes(args) or named_mistakes(args, extra):
         refuse(mistakes)
     if (args.transparent or args.capture) and args.primary is None:

@@ -9,6 +9,8 @@ hotplug events this machine will signal, which card each server sits on, with
 KV state and why not, with `--prometheus` the cards of other hosts and whether their
 readings are fresh, whether clients can be taken without changing them (`spillover run
 --transparent`, `--capture`) and why not, and the llama-server the test bed would use.
+With `--config FILE` (or a ./spillover.yaml) the servers, cards and options the flags
+leave out are the settings file's, as the proxy reads them.
 
 It exits with 1 when what it found stops the protection (EXIT_RULE), else with 0.
 """
@@ -37,6 +39,7 @@ from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import server_mistakes
 from addon.surface.nftables import owner_tables_work
 from scripts.parts import cardorder
+from scripts.parts.config import Config, with_config
 from watchers.cardids import unknown_cards
 from watchers.gates import CardMap
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
@@ -263,6 +266,15 @@ def named_cards(
         sys.exit(2)
 
 
+def from_config(config: Config) -> dict[str, str | None]:
+    """The flags' values a settings file gives: its servers, and the options named alike."""
+    named = ("cards", "free_floor_mib", "slot_dir", "prometheus", "prometheus_token",
+             "remote_cards", "sysfs_root", "proc_root")  # fmt: skip
+    return {"servers": ",".join(config.servers()) or None} | {
+        flag: config.option(flag) for flag in named
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"It {EXIT_RULE}.")
     parser.add_argument("--servers", default="", help="comma-separated server URLs")
@@ -274,7 +286,7 @@ def main() -> None:
     parser.add_argument("--prometheus", default="", help="as spillover_prometheus")
     parser.add_argument("--prometheus-token", default="", help="as spillover_prometheus_token")
     parser.add_argument("--remote-cards", default="", help="as spillover_remote_cards")
-    args = parser.parse_args()
+    args, _ = with_config(parser, "doctor", from_config)
 
     servers = [s.strip().rstrip("/") for s in args.servers.split(",") if s.strip()]
     explicit, selectors = named_cards(args, servers)

@@ -1,9 +1,10 @@
 """A live view of a running proxy: cards, servers, answers and handoffs.
 
-    .venv/bin/python -m scripts.watch --proxy http://127.0.0.1:8090 [--token T] [--every-s 0.5]
+    .venv/bin/python -m scripts.watch [--config FILE | --proxy URL] [--token T] [--every-s 0.5]
 
 It reads `GET /spillover/status` (from this machine, or with the control token) and
-redraws every `--every-s`; `q` quits.
+redraws every `--every-s`; `q` quits. The proxy and its token are the settings file's
+(scripts/parts/config.py) where no flag names them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 
 import httpx
 import urwid
+from mitmproxy.exceptions import OptionsError
 
 from addon.servers.credentials import read_secret
 from addon.servers.urlchecks import url_mistake
+from scripts.parts.config import Config, with_config
 
 PALETTE = [
     ("title", "bold", ""),
@@ -132,18 +135,25 @@ class LiveView:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proxy", default="http://127.0.0.1:8090", help="the proxy's URL")
+    parser.add_argument("--proxy", help="the proxy's URL (default: http://127.0.0.1:8090)")
     parser.add_argument(
         "--token", help="the control token (spillover_control_token; @/path reads a file)"
     )
     parser.add_argument("--every-s", type=float, default=0.5, help="seconds between redraws")
-    args = parser.parse_args()
+    args, _ = with_config(parser, "watch", from_config)
     if mistake := url_mistake(args.proxy, "proxy"):
         parser.exit(2, f"watch: {mistake}\n")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         parser.exit(2, "watch: it draws on a terminal: run it in one (or GET /spillover/status)\n")
-    token = read_secret(args.token) if args.token else None
+    try:
+        token = read_secret(args.token) if args.token else None
+    except OptionsError as exc:  # a token file this user may not read
+        parser.exit(2, f"watch: {exc}\n")
     LiveView(args.proxy.rstrip("/"), token, args.every_s).run()
+
+
+def from_config(config: Config) -> dict[str, str | None]:
+    return {"proxy": config.proxy_url(), "token": config.option("control_token")}
 
 
 if __name__ == "__main__":

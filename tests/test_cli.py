@@ -27,6 +27,7 @@ from scripts.parts.processes import free_port
 from scripts.testbed.mitm import Mitmdump, SpilloverRun
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
+from tests.test_raw_output import read_cut
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,6 +56,45 @@ def test_run_starts_the_proxy_in_front_of_the_primary(
     finally:
         proxy.stop()
     assert f"listening at 127.0.0.1:{proxy.port}" in proxy.log_path.read_text()
+
+
+class PlainRun(SpilloverRun):
+    """`spillover run` with nothing after `--`: the log it writes by default."""
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "scripts.cli", "run", "--primary", self.primary, "--fallbacks",
+            ",".join(self.fallbacks), "--port", str(self.port), *self.flags,
+        ]  # fmt: skip
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_runs_log_holds_the_handoffs_not_every_connection(
+    verbose: bool, start_server, fallback, server_logs: Path
+) -> None:
+    """A real request through `spillover run`, handed off on request: the log says the
+    handoff, and by default nothing of the connections (mitmproxy's client and server
+    connects, the addon's own splice endpoint among them as a server on a random port)
+    nor a line per flow; `-v` brings both back."""
+    primary = start_server("primary")
+    flags = ["-v"] if verbose else []
+    proxy = PlainRun(primary.url, [fallback.url], flags, log_dir=server_logs).start(timeout=60)
+    try:
+        proxy.servers_known()
+        stream = read_cut(proxy, chat_body(200), [primary], at=(30,))
+        assert_one_clean_stream(stream)
+        assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
+    finally:
+        proxy.stop()
+    log = proxy.log_path.read_text()
+    assert f"{primary.url} -> {fallback.url}" in log, log
+    connections = re.findall(r"(?:client|server) (?:dis)?connect|Streaming response", log)
+    flows = re.findall(r"POST http://\S+/v1/chat/completions", log)
+    if verbose:
+        assert {"client connect", "server connect", "Streaming response"} <= set(connections)
+        assert flows, log
+    else:
+        assert connections == [] and flows == [], log
 
 
 def test_every_command_has_help_and_a_mistake_is_named() -> None:

@@ -4,6 +4,7 @@ own option checks under a plain `mitmdump -s`."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,9 +25,11 @@ SPILLOVER = Path(sys.executable).parent / "spillover"
 A, B = "http://127.0.0.1:8081", "http://127.0.0.1:8082"  # nothing needs to answer there
 
 
-def spillover(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def spillover(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [SPILLOVER, *args], cwd=cwd, capture_output=True, text=True, timeout=60
+        [SPILLOVER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
     )  # fmt: skip
 
 
@@ -95,6 +98,46 @@ def test_a_mistake_in_the_config_file_is_named_in_one_line(
     assert refused(spillover("run", "--config", "spillover.yaml", cwd=tmp_path)) == (
         f"spillover.yaml: {line}"
     )
+
+
+WRONG_KEYS = (
+    "primary: http://127.0.0.1:8081\nport: 8090\nflow_detail: 1\nfree_flor_mib: 256\n"
+    "web_port: 8070\nlisten_port: 9000\n"
+)
+EACH_WRONG_KEY = [
+    "unknown key free_flor_mib; did you mean free_floor_mib?",
+    "unknown key web_port: mitmweb's option (or the console's), and spillover run starts mitmdump",
+    "listen_port: the port is port here",
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "said_by"),
+    [
+        (["run"], "spillover run"), (["status"], "spillover status"), (["watch"], "watch"),
+        (["doctor"], "doctor"), (["stress", "gpu"], "stress"),
+        (["services", "install", "--no-start"], "services"),
+    ],
+)  # fmt: skip
+def test_every_command_refuses_a_wrong_key_in_the_settings_file(
+    command: list[str], said_by: str, tmp_path: Path
+) -> None:
+    """One file for every command, read alike: each wrong key in one line, exit status 2,
+    nothing done (mitmdump's own flow_detail is a key like any other); the file named
+    by --config, or ./spillover.yaml found by itself, which the command then says."""
+    config = tmp_path / "spillover.yaml"
+    config.write_text(WRONG_KEYS)
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "home")}  # (for services)
+    for named, shown, first in (
+        (["--config", str(config)], config, []),
+        ([], Path("spillover.yaml"), [f"{said_by}: settings from {config}"]),
+    ):
+        said = spillover(*command, *named, cwd=tmp_path, env=env)
+        assert said.returncode == 2 and said.stdout == "", said
+        assert said.stderr.splitlines() == first + [
+            f"{said_by}: {shown}: {line}" for line in EACH_WRONG_KEY
+        ]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["spillover.yaml"]
 
 
 def test_what_the_file_names_is_checked_as_the_flags_are(tmp_path: Path) -> None:
@@ -180,25 +223,25 @@ def test_the_config_files_in_the_docs_are_read_as_written(tmp_path: Path) -> Non
     known = declared()
     for at, block in enumerate(blocks):
         (path := tmp_path / f"{at}.yaml").write_text(block)
-        settings, options = read(path, known)
-        assert settings["primary"] and settings["fallbacks"] and options, block
+        config = read(path, known)
+        assert config.settings["primary"] and config.settings["fallbacks"] and config.options
 
 
 def test_a_proxy_from_the_readmes_config_file_carries_an_answer_across_a_handoff(
     start_server, fallback, server_logs: Path, tmp_path: Path
 ) -> None:
     """The README's file with the test's servers: the fallbacks a YAML list, a port that
-    the flag overrides, an option without the prefix; and one with it, and an option
-    after `--` that wins over the file's value of it (rather than be refused as given
-    twice)."""
+    the flag overrides, an option without the prefix; and one with it, mitmdump's own
+    flow_detail, and an option after `--` that wins over the file's value of it (rather
+    than be refused as given twice)."""
     primary = start_server("primary")
     (readme,) = yaml_blocks("README.md")
     named = parse(readme)
     (their_fallback,) = named["fallbacks"]
     text = readme.replace(named["primary"], primary.url).replace(their_fallback, fallback.url)
     config = tmp_path / "spillover.yaml"
-    config.write_text(f"{text}interval_ms: 40\nspillover_stall_s: 25\n")
-    args = ["--", "--set", "flow_detail=0", "--set", "spillover_interval_ms=60"]
+    config.write_text(f"{text}interval_ms: 40\nspillover_stall_s: 25\nflow_detail: 0\n")
+    args = ["--", "--set", "spillover_interval_ms=60"]
     proxy = ConfigRun(config, primary.url, [fallback.url], args, log_dir=server_logs)
     assert f"port: {proxy.port}\n" not in text  # the flag's port is another
     proxy.start(timeout=60)
@@ -209,6 +252,7 @@ def test_a_proxy_from_the_readmes_config_file_carries_an_answer_across_a_handoff
         assert status["memory"]["interval_ms"] == 60, status["memory"]  # `--` wins
         argv = Path(f"/proc/{proxy.pid}/cmdline").read_bytes().split(b"\0")
         assert b"spillover_stall_s=25" in argv and b"spillover_interval_ms=40" not in argv
+        assert b"flow_detail=0" in argv  # mitmdump's own option, from the file
         stream = read_stream(
             proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill()
         )

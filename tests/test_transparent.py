@@ -193,8 +193,8 @@ def test_local_capture_takes_a_named_programs_connections_until_the_proxy_goes(
     with server_side.inside():
         primary = start_server("primary")
         fallback = start_server("fallback")
-        proxy = SpilloverRun(
-            primary.url, [fallback.url], ["--capture", program.name], prefix=prefix,
+        proxy = SpilloverRun(  # -v: its log's connection lines count what it takes
+            primary.url, [fallback.url], ["--capture", program.name, "-v"], prefix=prefix,
             log_dir=server_logs, options=SHADOW_OFF,
         ).start()  # fmt: skip
         control = httpx.Client()

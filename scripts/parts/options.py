@@ -1,5 +1,6 @@
-"""The addon's `spillover_*` options as its own classes declare them, read without starting
-a proxy: `spillover options` lists them, and a `--config` file is checked against them."""
+"""The options `spillover run`'s mitmdump takes, as mitmproxy's and the addon's own classes
+declare them, read without starting a proxy: `spillover options` lists the addon's
+`spillover_*` ones, and a settings file is checked against them all."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
+from mitmproxy.exceptions import OptionsError
 from mitmproxy.optmanager import OptManager, dump_dicts
 
 from addon.surface.mistakes import PREFIX
@@ -17,8 +19,8 @@ SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")  # not within "e.g. http://...
 
 @dataclass(frozen=True)
 class Declared:
-    """Every option the addon's classes declare, in an options manager of their own (it
-    turns a `--set` value into the option's type as mitmdump will)."""
+    """Every option mitmdump and the addon's classes declare, in an options manager of
+    their own (it turns a `--set` value into the option's type as mitmdump will)."""
 
     options: OptManager
 
@@ -26,12 +28,22 @@ class Declared:
         known = self.options.keys()  # (an OptManager cannot be iterated itself)
         return sorted(name for name in known if name.startswith(PREFIX))
 
+    def mitmproxy_names(self) -> list[str]:
+        """mitmdump's own options (flow_detail, termlog_verbosity, ...)."""
+        known = self.options.keys()
+        return sorted(name for name in known if not name.startswith(PREFIX))
+
     def type_of(self, name: str) -> str:
         return dump_dicts(self.options, [name])[name]["type"]
 
-    def check(self, name: str, value: str) -> None:
-        """Raises mitmproxy's OptionsError where `--set name=value` would be refused."""
-        self.options.set(f"{name}={value}")
+    def check(self, name: str, *values: str) -> None:
+        """Raises mitmproxy's OptionsError where `--set name=value` (once for each of
+        `values`) would be refused, or a value is not among the option's choices (which
+        mitmproxy checks only once the option is used)."""
+        self.options.set(*(f"{name}={value}" for value in values))
+        choices = dump_dicts(self.options, [name])[name]["choices"]
+        if choices and (wrong := [value for value in values if value not in choices]):
+            raise OptionsError(f"{wrong[0]!r} is not one of {', '.join(choices)}")
 
     def lines(self) -> list[str]:
         """Each option: its name, type and default, then the first sentence of its help."""
@@ -44,19 +56,27 @@ class Declared:
 
 
 def declared() -> Declared:
-    """Load the addon's classes as `mitmdump -s` does, without their start."""
+    """Load mitmdump's addons and the addon's classes as `mitmdump -s` does, without
+    their start."""
     # Imported here: they take half a second, which the other commands need not wait.
     from mitmproxy.addonmanager import Loader
+    from mitmproxy.addons import default_addons
+    from mitmproxy.addons.dumper import Dumper
+    from mitmproxy.addons.termlog import TermLog
     from mitmproxy.master import Master
+    from mitmproxy.options import Options
 
     from addon import spillover
 
     loop = asyncio.new_event_loop()  # a master wants one; nothing runs on it
     try:
-        master = Master(OptManager(), event_loop=loop)  # their load() reads mitmproxy's ctx
+        master = Master(Options(), event_loop=loop)  # their load() reads mitmproxy's ctx
+        termlog = TermLog()
+        termlog.uninstall()  # (made, it logs to the terminal; only its option is wanted)
         loader = Loader(master)
-        for addon in spillover.addons:
-            addon.load(loader)
+        for addon in [*default_addons(), Dumper(), termlog, *spillover.addons]:
+            if hasattr(addon, "load"):
+                addon.load(loader)
     finally:
         loop.close()
     return Declared(master.options)
@@ -66,5 +86,5 @@ def main() -> None:
     print("\n".join(declared().lines()))
     print(
         "\nSet one with `spillover run ... -- --set NAME=VALUE`, or by its name (with or "
-        "without spillover_) in a `spillover run --config` file."
+        "without spillover_) in spillover.yaml (`--config FILE`)."
     )
