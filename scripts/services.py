@@ -1,26 +1,30 @@
 """Run the proxy for real: systemd user services for the proxy and its fail-open guard.
 
-The proxy (mitmdump with the addon) and the guard each get a unit; the options live in
-one file a person edits.
+The proxy (mitmdump with the addon) and the guard each get a unit; the proxy runs with
+the settings file every command reads (scripts/parts/config.py), which a person edits.
 
+    spillover services install --config spillover.yaml [--proxy-port 8091]
     spillover services install --primary http://127.0.0.1:8081 \\
         --fallbacks http://127.0.0.1:8082 [--listen 127.0.0.1:8090] [--proxy-port 8091]
     spillover services uninstall [--purge]
 
-`install` writes `~/.config/spillover/config.yaml` (mitmproxy's own options file, in a
-confdir of its own; kept if it exists), `spillover-proxy.service` (`spillover run
---confdir`, restarted on failure) and `spillover-guard.service` (`spillover guard` on the
-clients' port), both running the installed command, in
-`~/.config/systemd/user/`, then enables and starts both (`--no-start`: only writes), and
-says the address clients use. It first refuses ports that are a server's or taken here,
-and, with `--system`, a command the service user may not run (`scripts.parts.servicechecks`);
+`install` takes the settings file `--config` names (or ./spillover.yaml), else keeps
+`~/.config/spillover/spillover.yaml` or writes it from the flags
+(`scripts.parts.serviceoptions`); the flags given win over the file. It writes
+`spillover-proxy.service` (`spillover run --config FILE --confdir ~/.config/spillover`,
+on the proxy's port behind the guard, restarted on failure) and `spillover-guard.service`
+(`spillover guard` on the clients' address, the file's listen_host and port), both
+running the installed command, in `~/.config/systemd/user/`, then enables and starts
+both (`--no-start`: only writes), and says the address clients use. It first refuses
+ports that are a server's or taken here, and, with `--system`, a command the service
+user may not run or a settings file it may not read (`scripts.parts.servicechecks`);
 where the servers' processes are another user's, it writes the cards it finds for them
 (`scripts.parts.servicecards`).
 A non-loopback `--listen` is public: the proxy then trusts no local client on its control
 routes, and proxy and guard share a control token in `~/.config/spillover/control-token`
 (made once, mode 0600), which the guard's health check carries.
-`uninstall` stops and removes the services; `--purge` removes the options file and the
-token too.
+`uninstall` stops and removes the services; `--purge` removes their folder (the settings
+file install wrote, the token) too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,9 +42,18 @@ from pathlib import Path
 from scripts.guard import CANNOT_START
 from scripts.parts import servicechecks
 from scripts.parts.access import User
+from scripts.parts.config import HELP
 from scripts.parts.ports import EVERY_ADDRESS, address, is_loopback
-from scripts.parts.servicecards import servers_cards
-from scripts.parts.serviceoptions import ensure_token, write_or_keep
+from scripts.parts.servicecards import cards_found
+from scripts.parts.serviceoptions import (
+    Settings,
+    advise,
+    move_aside,
+    settings,
+    settle,
+    token_file,
+    write,
+)
 
 UNITS = ("spillover-proxy.service", "spillover-guard.service")
 
@@ -91,9 +105,19 @@ class Manager:
         )
 
 
-def proxy_unit(confdir: Path, manager: Manager, run: str = "", capabilities: str = "") -> str:
-    """`run`: more `run` arguments (workers behind HAProxy, the transparent mode)."""
-    start = f"{command()} run --confdir {confdir}{run}"
+def proxy_unit(
+    chosen: Settings, confdir: Path, manager: Manager, run: str, capabilities: str = ""
+) -> str:
+    """`run`: more `run` arguments (its address, workers behind HAProxy, the transparent
+    mode); the flags install was given that the settings file does not say go too."""
+    for name, value in chosen.flags.items():
+        if value != chosen.config.get(name):
+            print(
+                f"services: WARNING: {chosen.path} does not name {value} as its {name}, given "
+                f"now: the unit names it (the flags win over the file)"
+            )
+            run = f" --{name} {shlex.quote(value)}{run}"
+    start = f"{command()} run --config {shlex.quote(str(chosen.path))} --confdir {confdir}{run}"
     return manager.unit("proxy: mitmdump with the spillover addon", start, "on-failure",
                         capabilities)  # fmt: skip
 
@@ -183,33 +207,43 @@ def install(args: argparse.Namespace) -> None:
             "services: --transparent changes the kernel's rules (CAP_NET_ADMIN): a system "
             "service only (--system)"
         )
+    chosen = settings(args, confdir)
+    settle(args, chosen)
     routed = bool(args.workers or args.transparent)
     servers = [args.primary, *filter(None, args.fallbacks.split(","))]
     service_user = User.named(args.run_as) if args.system and args.run_as != "root" else None
-    check(args, servers, routed, service_user)
+    check(args, servers, routed, service_user, None if chosen.keys is not None else chosen.path)
     confdir.mkdir(parents=True, exist_ok=True)
     units.mkdir(parents=True, exist_ok=True)
-    public = not is_loopback(address(args.listen)[0])
-    token = ensure_token(confdir / "control-token") if public else None
-    cards = cards_line(service_user, servers, confdir / "config.yaml")
-    write_or_keep(confdir / "config.yaml", args, token, routed, cards)
+    public = not routed and not is_loopback(address(args.listen)[0])
+    token = token_file(chosen, confdir) if public else None
+    cards = cards_found(service_user, servers, chosen.path)
+    if chosen.keys is not None:
+        write(chosen, address(args.listen), behind(args), token, cards)
+    else:
+        advise(chosen, token, cards)
+    if chosen.old is not None:
+        move_aside(chosen.old)
     if routed:
         # HAProxy, or the kernel's rules (gone with the proxy), take the clients'
         # address and do the guard's job: no guard unit.
         host, port = address(args.listen)
-        run = f" --primary {args.primary} --fallbacks '{args.fallbacks}'"
-        run += f" --workers {args.workers}" if args.workers else " --transparent"
+        run = f" --workers {args.workers}" if args.workers else " --transparent"
         run += f" --listen-host {host} --port {port}"
         capabilities = "CAP_NET_ADMIN" if args.transparent else ""
         written = UNITS[:1]
-        (units / UNITS[0]).write_text(proxy_unit(confdir, manager, run, capabilities))
+        (units / UNITS[0]).write_text(proxy_unit(chosen, confdir, manager, run, capabilities))
         if (units / UNITS[1]).exists():
             if not args.no_start:
                 systemctl(manager, "disable", "--now", UNITS[1])
             (units / UNITS[1]).unlink()
     else:
         written = UNITS
-        (units / UNITS[0]).write_text(proxy_unit(confdir, manager))
+        run = f" --listen-host 127.0.0.1 --port {args.proxy_port}"
+        if token is not None and chosen.keys is None and not chosen.config.option("control_token"):
+            run += (" -- --set spillover_control_local=false --set "
+                    f"spillover_control_token=@{token}")  # fmt: skip
+        (units / UNITS[0]).write_text(proxy_unit(chosen, confdir, manager, run))
         (units / UNITS[1]).write_text(
             guard_unit(args.listen, args.proxy_port, args.primary, token, manager)
         )
@@ -220,16 +254,30 @@ def install(args: argparse.Namespace) -> None:
             print(f"services: {owned}")
     if not args.no_start:
         start(manager, units, written)
+    print(f"services: status, watch, doctor and stress read it too: --config {chosen.path}")
     print(clients(args))
 
 
+def behind(args: argparse.Namespace) -> str:
+    """What listens on the clients' address."""
+    if args.workers:
+        return f"HAProxy, in front of {args.workers} proxies"
+    if args.transparent:
+        return "the proxy (clients keep the primary's URL: the kernel sends them here)"
+    return f"the guard, in front of the proxy on 127.0.0.1:{args.proxy_port}"
+
+
 def check(
-    args: argparse.Namespace, servers: list[str], routed: bool, service_user: User | None
+    args: argparse.Namespace,
+    servers: list[str],
+    routed: bool,
+    service_user: User | None,
+    settings_file: Path | None,
 ) -> None:
     """Refuse what cannot work, before anything is written (see scripts.parts.servicechecks)."""
     mine = servicechecks.listeners(args.listen, args.proxy_port, guarded=not routed)
     refused = servicechecks.contradictions(mine, servers)
-    here = servicechecks.on_this_machine(mine, UNITS, service_user, command())
+    here = servicechecks.on_this_machine(mine, UNITS, service_user, command(), settings_file)
     if args.no_start:
         for problem in here:
             print(f"services: WARNING: {problem}")
@@ -237,33 +285,6 @@ def check(
         refused += here
     if refused:
         raise SystemExit("\n".join(f"services: {problem}" for problem in refused))
-
-
-def cards_line(service_user: User | None, servers: list[str], options: Path) -> str:
-    """The spillover_cards line to write for a service user that cannot find the servers'
-    cards itself ('' where none is needed, or where one cannot be written: then it says
-    what to add)."""
-    if service_user is None:
-        return ""
-    found = servers_cards(service_user, servers)
-    name = service_user.name
-    if found.unknown:
-        if not (options.exists() and "spillover_cards" in options.read_text()):
-            why = "; ".join(f"{url}: {how}" for url, how in found.unknown.items())
-            print(
-                f"services: the servers' cards are not known now ({why}); unless their "
-                f"processes will be {name}'s, add this line to {options}: {found.line()} "
-                f"(CARD: one of {', '.join(found.ids) or 'the ids spillover doctor shows'})"
-            )
-        return ""
-    if not found.found:
-        return ""
-    how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
-    print(
-        f"services: the servers' processes are not {name}'s: it may not read their "
-        f"/proc/<pid>/fd to find their cards (found here: {how})"
-    )
-    return found.line()
 
 
 def start(manager: Manager, units: Path, written: tuple[str, ...]) -> None:
@@ -311,27 +332,28 @@ def uninstall(args: argparse.Namespace) -> None:
         shutil.rmtree(confdir, ignore_errors=True)
     if not args.no_start and (why := systemctl(manager, "daemon-reload")) is not None:
         print(f"services: {why}")
-    print("services: removed" + (" with the options file" if args.purge else ""))
+    print("services: removed" + (f" with {confdir}" if args.purge else ""))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     put = commands.add_parser("install", help="write the units and the options, and start them")
-    put.add_argument("--primary", required=True, help="the primary's URL")
-    put.add_argument("--fallbacks", default="", help="comma-separated fallback URLs")
+    put.add_argument("--config", type=Path, metavar="FILE.yaml", help=HELP)
+    put.add_argument("--primary", help="the primary's URL (default: the settings file's)")
+    put.add_argument("--fallbacks", help="comma-separated fallback URLs")
     put.add_argument(
-        "--listen", default="127.0.0.1:8090",
+        "--listen",
         help="the clients' address: the guard's, which passes them to the proxy while it is "
-        "up and to the primary while it is not; with --workers HAProxy's (default "
-        "127.0.0.1:8090, as spillover run's)",
+        "up and to the primary while it is not; with --workers HAProxy's (default: the "
+        "settings file's listen_host and port, 127.0.0.1:8090, as spillover run's)",
     )  # fmt: skip
     put.add_argument(
         "--proxy-port", type=int, default=8091,
         help="the proxy's own port on 127.0.0.1, behind the guard (default 8091)",
     )  # fmt: skip
     put.add_argument(
-        "--workers", type=int, default=0,
+        "--workers", type=int,
         help="run this many proxies behind HAProxy on --listen, instead of one and the guard",
     )  # fmt: skip
     put.add_argument(
@@ -340,14 +362,18 @@ def main() -> None:
         "proxy (no guard: the rules go with the proxy); with --system",
     )  # fmt: skip
     remove = commands.add_parser("uninstall", help="stop and remove the units")
-    remove.add_argument("--purge", action="store_true", help="remove the options file too")
+    remove.add_argument(
+        "--purge", action="store_true", help="remove their folder too (the settings it wrote)"
+    )
     for command_parser in (put, remove):
         command_parser.add_argument(
             "--system", action="store_true",
             help="system units (/etc/systemd/system, options in /etc/spillover): from boot, "
             "as --run-as, after --after; default: the person's user units",
         )  # fmt: skip
-        command_parser.add_argument("--config-dir", type=Path, help="where the options go")
+        command_parser.add_argument(
+            "--config-dir", type=Path, help="the services' folder (their settings, the token)"
+        )
         command_parser.add_argument("--unit-dir", type=Path, help="where the units go")
         command_parser.add_argument(
             "--no-start", action="store_true", help="only write (or remove) the files"

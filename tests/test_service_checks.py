@@ -73,7 +73,7 @@ def test_install_refuses_a_servers_address_and_a_taken_port(tmp_path: Path) -> N
         assert not (tmp_path / "config").exists()
         written = install(*ports, "--no-start")
     assert written.returncode == 0 and f"services: WARNING: {taken}" in written.stdout
-    assert (tmp_path / "config" / "spillover" / "config.yaml").exists()
+    assert (tmp_path / "config" / "spillover" / "spillover.yaml").exists()
     assert written.stdout.splitlines()[-1] == (
         f"services: clients use http://127.0.0.1:{port}/v1 (the guard; the proxy behind it "
         f"listens on 127.0.0.1:{spare})"
@@ -90,7 +90,8 @@ def open_tmp() -> Iterator[Path]:
 
 
 def kernel_lets_nobody(path: Path, bits: int) -> bool:
-    tests = ["-r", str(path), "-a", "-x", str(path)] if bits == READ | RUN else ["-x", str(path)]
+    tests = {READ | RUN: ["-r", str(path), "-a", "-x", str(path)], RUN: ["-x", str(path)],
+             READ: ["-r", str(path)]}[bits]  # fmt: skip
     return subprocess.run(["runuser", "-u", "nobody", "--", "test", *tests]).returncode == 0
 
 
@@ -157,6 +158,42 @@ def test_a_system_install_refuses_a_command_its_user_cannot_run(open_tmp: Path) 
     assert (units / "spillover-proxy.service").exists()
 
 
+@AS_ROOT
+def test_a_system_install_names_a_settings_file_its_user_cannot_read(open_tmp: Path) -> None:
+    """`install --system --config FILE`: the proxy's unit runs as --run-as with that very
+    file, so a file in a home it may not enter, or one it may not read, would stop the
+    proxy at start; said in one line naming the folder or the file, as the kernel answers
+    (with --no-start as a warning, the units written all the same)."""
+    home = open_tmp / "home"
+    home.mkdir(mode=0o700)
+    shut = open_tmp / "shut.yaml"
+    for path in (home / "spillover.yaml", shut):
+        path.write_text("primary: http://127.0.0.1:9\n")
+    shut.chmod(0o600)
+    etc, units = open_tmp / "etc", open_tmp / "units"
+    for settings, why in (
+        (home / "spillover.yaml", f"nobody cannot enter {home} (drwx------ root:root), on the "
+                                  f"way to {home / 'spillover.yaml'}"),
+        (shut, f"nobody cannot read {shut} (-rw------- root:root)"),
+    ):  # fmt: skip
+        assert not kernel_lets_nobody(settings, READ)
+        said = subprocess.run(
+            [sys.executable, "-m", "scripts.services", "install", "--system", "--run-as",
+             "nobody", "--config", str(settings), "--config-dir", str(etc), "--unit-dir",
+             str(units), "--listen", f"127.0.0.1:{free_port()}", "--proxy-port",
+             str(free_port()), "--no-start"],
+            cwd=REPO, capture_output=True, text=True,
+        )  # fmt: skip
+        assert said.returncode == 0, said.stderr
+        assert (
+            f"services: WARNING: {why}, so the proxy could not read its settings: put the file "
+            "where nobody may read it (such as the services' folder, --config-dir)\n"
+        ) in said.stdout, said.stdout
+        assert f"run --config {settings} " in (units / "spillover-proxy.service").read_text()
+    shut.chmod(0o644)
+    assert kernel_lets_nobody(shut, READ) and cannot_use(User.named("nobody"), {shut: READ}) is None
+
+
 def test_a_system_install_names_the_cards_of_servers_its_user_cannot_see(
     primary, fallback, tmp_path: Path
 ) -> None:
@@ -181,7 +218,7 @@ def test_a_system_install_names_the_cards_of_servers_its_user_cannot_see(
              f"127.0.0.1:{free_port()}", "--proxy-port", str(free_port()), "--no-start"],
             cwd=REPO, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        return said, (etc / "config.yaml").read_text()
+        return said, (etc / "spillover.yaml").read_text()
 
     said, options = install("nobody", primary.url, fallback.url)
     entries = ",".join(f"{url}={on}" for url, on in cards.items())

@@ -6,6 +6,7 @@ systemd."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shlex
@@ -17,9 +18,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mitmproxy.optmanager import parse
 
 from scripts.guard import CANNOT_START
 from scripts.parts.processes import free_port
+from scripts.services import UNITS
+from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import REPO
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import chat_body
@@ -59,7 +63,7 @@ def test_install_runs_the_proxy_and_the_guard_and_uninstall_removes_them(
         config, "install", "--primary", primary.url, "--fallbacks", fallback.url,
         "--listen", f"127.0.0.1:{listen}", "--proxy-port", str(proxy_port), "--no-start",
     )  # fmt: skip
-    options = config / "spillover" / "config.yaml"
+    options = config / "spillover" / "spillover.yaml"
     units = [
         config / "systemd" / "user" / name
         for name in ("spillover-proxy.service", "spillover-guard.service")
@@ -103,13 +107,71 @@ def test_install_runs_the_proxy_and_the_guard_and_uninstall_removes_them(
     assert not any(unit.exists() for unit in units) and not options.exists()
 
 
+def test_the_units_run_with_a_settings_file_that_status_and_doctor_read_too(
+    primary, fallback, tmp_path: Path
+) -> None:
+    """`install --config FILE`: the units point at the person's own file (nothing is
+    written beside it): its port is the clients' (the guard's), its options and
+    mitmdump's own flow_detail reach the proxy. `status --config FILE` asks the proxy
+    there through the guard, and `doctor --config FILE` checks the file's servers with
+    the file's cards, no flag repeated."""
+    sysfs = tmp_path / "sys"
+    FakeCard(sysfs, "card0", total_mib=16384, used_mib=10000)
+    listen, proxy_port = free_port(), free_port()
+    settings = tmp_path / "mine" / "spillover.yaml"
+    settings.parent.mkdir()
+    settings.write_text(
+        f"primary: {primary.url}\nfallbacks: [{fallback.url}]\nport: {listen}\n"
+        f"interval_ms: 35\nflow_detail: 1\ncards: {primary.url}=drm:card0\n"
+        f"sysfs_root: {sysfs}\n"  # (the proxy's and the doctor's: card0 is a stand-in's)
+    )
+    config = tmp_path / "config"
+    said = services(config, "install", "--config", str(settings), "--proxy-port",
+                    str(proxy_port), "--no-start")  # fmt: skip
+    assert f"status, watch, doctor and stress read it too: --config {settings}" in said
+    assert sorted(path.name for path in settings.parent.iterdir()) == ["spillover.yaml"]
+    assert not (config / "spillover" / "spillover.yaml").exists()
+    units = config / "systemd" / "user"
+    guard = (units / "spillover-guard.service").read_text()
+    assert f"--listen 127.0.0.1:{listen} --proxy 127.0.0.1:{proxy_port} " in guard
+    started = []
+    try:
+        for unit in ("spillover-proxy.service", "spillover-guard.service"):
+            argv, cwd = unit_command(units / unit)
+            assert argv[1:4] == ["run", "--config", str(settings)] or unit != UNITS[0]
+            started.append(subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))  # fmt: skip
+        guarded = f"http://127.0.0.1:{listen}"
+        wait_until(lambda: httpx.get(f"{guarded}/spillover/status").status_code == 200)
+        spillover = [sys.executable, "-m", "scripts.cli"]
+        status = subprocess.run([*spillover, "status", "--config", str(settings), "--json"],
+                                cwd=REPO, capture_output=True, text=True)  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        shown = json.loads(status.stdout)
+        assert shown["fallbacks"] == [fallback.url] and shown["memory"]["interval_ms"] == 35
+        assert shown["pid"] == started[0].pid  # the proxy's, behind the guard
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(timeout=10)
+    doctor = subprocess.run(
+        [*spillover, "doctor", "--config", str(settings)],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert (
+        f"ok  {primary.url}: llama-server, primary.gguf, 1024 ctx/slot; cards: drm:card0 "
+        "(by explicit: spillover_cards)"
+    ) in doctor.stdout, doctor.stdout + doctor.stderr
+    assert f"ok  {fallback.url}: llama-server, fallback.gguf" in doctor.stdout
+
+
 def test_a_public_guard_closes_the_control_routes_to_local_clients(tmp_path: Path) -> None:
     config = tmp_path / "config"
     listen = f"0.0.0.0:{free_port()}"
     said = services(
         config, "install", "--primary", "http://127.0.0.1:9", "--listen", listen, "--no-start"
     )
-    assert "spillover_control_local: false" in (config / "spillover" / "config.yaml").read_text()
+    assert "control_local: false" in (config / "spillover" / "spillover.yaml").read_text()
     guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
     assert f"--listen {listen}" in guard and "--public" in guard
     port = listen.rsplit(":", 1)[1]
@@ -134,7 +196,7 @@ def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
     token_path = config / "spillover" / "control-token"
     token = token_path.read_text().strip()
     assert len(token) >= 32 and token_path.stat().st_mode & 0o077 == 0
-    options = (config / "spillover" / "config.yaml").read_text()
+    options = (config / "spillover" / "spillover.yaml").read_text()
     assert token not in options  # named by its file, not copied
     units = [
         config / "systemd" / "user" / n
@@ -194,36 +256,63 @@ def test_without_a_user_systemd_install_says_how_to_start_by_hand(tmp_path: Path
     assert (
         "not started: systemctl --user daemon-reload failed (Failed to connect to bus" in run.stdout
     )
-    assert "start them by hand:" in run.stdout and "spillover run --confdir " in run.stdout
+    assert "start them by hand:" in run.stdout and "spillover run --config " in run.stdout
     again = subprocess.run(
         [sys.executable, "-m", "scripts.services", "install", "--primary", "http://127.0.0.1:7",
          *ports, "--no-start"],
         cwd=REPO, env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert "WARNING:" in again and "does not name http://127.0.0.1:7, given now" in again
+    assert "WARNING:" in again and "does not name http://127.0.0.1:7 as its primary" in again
+    proxy = (tmp_path / "config/systemd/user/spillover-proxy.service").read_text()
+    assert " --primary http://127.0.0.1:7 " in proxy  # the flag given wins over the file
 
 
-def test_an_options_file_that_names_the_addon_file_is_mended(tmp_path: Path) -> None:
-    """An earlier install named the addon's file in a checkout; the unit's `spillover run`
-    loads the addon itself, and mitmproxy would load it twice. It also had the proxy on
-    8090, where the guard listens now: the proxy's port is the one the guard is told."""
+EARLIER_OPTIONS = """\
+# The spillover proxy's options, in mitmproxy's own format
+mode:
+  - reverse:http://127.0.0.1:9@127.0.0.1:8090
+scripts:
+  - /old/checkout/addon/spillover.py
+spillover_fallbacks: "http://127.0.0.1:7"
+flow_detail: 0
+spillover_health_s: 2
+"""
+
+
+def test_an_earlier_installs_options_become_the_settings_file(tmp_path: Path) -> None:
+    """An earlier version wrote mitmproxy's own options file into the services' folder
+    (the reverse mode, the addon's file in a checkout), which mitmdump reads besides
+    whatever it is given. Installed again, its options become the settings file (the
+    addon and the ports are the units' business now) and it is moved aside; a key in it
+    that mitmdump ignored is refused, naming the file, before anything is written."""
     config = tmp_path / "config"
-    services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
-    options = config / "spillover" / "config.yaml"
-    written = options.read_text()
-    assert "scripts:" not in written
-    mode = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8091\n"
-    old = "mode:\n  - reverse:http://127.0.0.1:9@127.0.0.1:8090\n"
-    options.write_text(
-        written.replace(mode, old + "scripts:\n  - /old/checkout/addon/spillover.py\n")
+    folder = config / "spillover"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(EARLIER_OPTIONS + "web_port: 8070\n")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config)}
+    refused = subprocess.run(
+        [sys.executable, "-m", "scripts.services", "install", "--no-start"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr == (
+        f"services: {folder / 'config.yaml'}: {folder / 'spillover.yaml'}: unknown key "
+        "web_port: mitmweb's option (or the console's), and spillover run starts mitmdump\n"
     )
-    said = services(config, "install", "--primary", "http://127.0.0.1:9", "--no-start")
-    assert "named the addon's file: removed" in said and options.read_text() == written
-    assert "had the proxy on port 8090: now 8091" in said
+    assert sorted(path.name for path in folder.iterdir()) == ["config.yaml"]
+    (folder / "config.yaml").write_text(EARLIER_OPTIONS)
+    said = services(config, "install", "--no-start")
+    assert f"{folder / 'config.yaml'} is not read now: moved to config.yaml.old" in said
+    settings = parse((folder / "spillover.yaml").read_text())
+    assert settings == {
+        "primary": "http://127.0.0.1:9", "fallbacks": ["http://127.0.0.1:7"], "flow_detail": 0,
+        "spillover_health_s": 2, "listen_host": "127.0.0.1", "port": 8090,
+    }  # fmt: skip
+    assert (folder / "config.yaml.old").read_text() == EARLIER_OPTIONS
     guard = (config / "systemd" / "user" / "spillover-guard.service").read_text()
-    assert "--listen 127.0.0.1:8090 --proxy 127.0.0.1:8091 " in guard
+    assert "--listen 127.0.0.1:8090 --proxy 127.0.0.1:8091 --primary 127.0.0.1:9\n" in guard
     proxy = (config / "systemd" / "user" / "spillover-proxy.service").read_text()
-    assert f"ExecStart={Path(sys.executable).parent / 'spillover'} run --confdir " in proxy
+    assert f"run --config {folder / 'spillover.yaml'} --confdir {folder} " in proxy
 
 
 def test_with_workers_one_unit_runs_them_behind_haproxy(primary, fallback, tmp_path: Path) -> None:
@@ -240,11 +329,10 @@ def test_with_workers_one_unit_runs_them_behind_haproxy(primary, fallback, tmp_p
     )  # fmt: skip
     units = config / "systemd" / "user"
     assert not (units / "spillover-guard.service").exists()
-    options = config / "spillover" / "config.yaml"
-    assert "mode:" not in options.read_text()
+    options = config / "spillover" / "spillover.yaml"
     options.write_text(options.read_text() + "spillover_interval_ms: 35\n")
     argv, cwd = unit_command(units / "spillover-proxy.service")
-    assert argv[1:3] == ["run", "--confdir"] and "--workers" in argv
+    assert argv[1:3] == ["run", "--config"] and "--workers" in argv
     log = (tmp_path / "workers.log").open("wb")
     process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -299,12 +387,14 @@ def test_system_units_start_at_boot_as_their_own_user_after_the_engines(tmp_path
         assert "After=network-online.target llama-server.service vllm.service" in lines
         assert "Wants=network-online.target" in lines and "User=spillover" in lines
         assert "WantedBy=multi-user.target" in lines
-    assert f"ExecStart={sys.executable.rsplit('/', 1)[0]}/spillover run --confdir {etc}" in (
-        unit_lines(proxy)
-    )
+    assert any(
+        line.startswith(f"ExecStart={Path(sys.executable).parent}/spillover run --config "
+                        f"{etc / 'spillover.yaml'} --confdir {etc} ")
+        for line in unit_lines(proxy)
+    ), unit_lines(proxy)  # fmt: skip
     # A guard that cannot start (its port taken) is not started again and again.
     assert f"RestartPreventExitStatus={CANNOT_START}" in unit_lines(guard)
-    assert (etc / "config.yaml").exists()
+    assert (etc / "spillover.yaml").exists()
     services(tmp_path / "home", "install", "--primary", "http://127.0.0.1:8081", "--no-start")
     user = tmp_path / "home" / "systemd" / "user" / "spillover-proxy.service"
     assert not [line for line in unit_lines(user) if line.startswith("After=")]
@@ -330,8 +420,8 @@ def test_the_transparent_mode_runs_as_one_system_unit_with_the_capability_it_nee
     assert "AmbientCapabilities=CAP_NET_ADMIN" in lines
     assert "CapabilityBoundingSet=CAP_NET_ADMIN" in lines
     start = next(line for line in lines if line.startswith("ExecStart="))
-    assert "--primary http://10.0.0.5:8081" in start and "--transparent" in start
-    assert "mode:" not in (etc / "config.yaml").read_text()  # the command names the route
+    assert f"--config {etc / 'spillover.yaml'} " in start and "--transparent" in start
+    assert 'primary: "http://10.0.0.5:8081"' in (etc / "spillover.yaml").read_text()
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "home")}
     refused = subprocess.run(
         [sys.executable, "-m", "scripts.services", "install", "--transparent", "--primary",

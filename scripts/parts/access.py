@@ -52,7 +52,9 @@ def cannot_use(user: User, needs: dict[Path, int]) -> str | None:
                         f"{user.name} cannot enter {folder} ({shown(folder)}), on the way to {way}"
                     )
             if not user.may(way.stat(), bits):
-                verb = "read" if way.is_dir() else "read and run" if bits & READ else "run"
+                verb = {READ: "read", RUN: "run"}.get(
+                    bits, "read" if way.is_dir() else "read and run"
+                )
                 return f"{user.name} cannot {verb} {way} ({shown(way)})"
     return None
 

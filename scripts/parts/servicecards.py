@@ -5,7 +5,7 @@ found by reading each process's /proc/<pid>/fd. A user may not read another user
 a proxy run as a user of its own maps nothing and never hands off for memory, however
 full a card gets. `install --system` runs as root: it maps the servers with the proxy's
 own functions, and where their processes are not the service user's, the cards found
-go into the options file as `spillover_cards` (or, where some cannot be found now, the
+go into the settings file as `spillover_cards` (or, where some cannot be found now, the
 line to add is said).
 """
 
@@ -30,11 +30,40 @@ class ServerCards:
     unknown: dict[str, str] = field(default_factory=dict)  # URL -> why its cards are not known
     ids: list[str] = field(default_factory=list)  # every card id this machine's sources report
 
-    def line(self) -> str:
-        """The spillover_cards line: found cards, CARD where one must be named."""
+    def value(self) -> str:
+        """spillover_cards' value: found cards, CARD where one must be named."""
         entries = {url: "+".join(sorted(m.cards)) for url, m in self.found.items()}
         entries |= dict.fromkeys(self.unknown, "CARD")
-        return "spillover_cards: " + json.dumps(",".join(f"{u}={c}" for u, c in entries.items()))
+        return ",".join(f"{url}={cards}" for url, cards in entries.items())
+
+    def line(self) -> str:
+        return f"spillover_cards: {json.dumps(self.value())}"
+
+
+def cards_found(service_user: User | None, servers: list[str], settings: Path) -> str:
+    """The spillover_cards value for a service user that cannot find the servers' cards
+    itself ('' where none is needed, or where some are not known now: then it says the
+    whole line to add)."""
+    if service_user is None:
+        return ""
+    found = servers_cards(service_user, servers)
+    name = service_user.name
+    if found.unknown:
+        why = "; ".join(f"{url}: {how}" for url, how in found.unknown.items())
+        print(
+            f"services: the servers' cards are not known now ({why}); unless their "
+            f"processes will be {name}'s, add this line to {settings}: {found.line()} "
+            f"(CARD: one of {', '.join(found.ids) or 'the ids spillover doctor shows'})"
+        )
+        return ""
+    if not found.found:
+        return ""
+    how = "; ".join(f"{url}: {mapping}" for url, mapping in found.found.items())
+    print(
+        f"services: the servers' processes are not {name}'s: it may not read their "
+        f"/proc/<pid>/fd to find their cards (found here: {how})"
+    )
+    return found.value()
 
 
 def servers_cards(

@@ -2,8 +2,8 @@
 
 Given addresses that contradict each other (the guard's or the proxy's port a server's
 own) are refused always. What this machine says now (a port taken, a command the
-service user may not run) is refused too, but with `--no-start` only said: the files
-may be meant for later, or for another machine.
+service user may not run, a settings file it may not read) is refused too, but with
+`--no-start` only said: the files may be meant for later, or for another machine.
 """
 
 from __future__ import annotations
@@ -43,15 +43,27 @@ def contradictions(mine: dict[str, tuple[str, int]], servers: list[str]) -> list
 
 
 def on_this_machine(
-    mine: dict[str, tuple[str, int]], ours: tuple[str, ...], run_as: User | None, command: Path
+    mine: dict[str, tuple[str, int]],
+    ours: tuple[str, ...],
+    run_as: User | None,
+    command: Path,
+    settings: Path | None = None,
 ) -> list[str]:
     """What stands in the way here now: taken ports (ones `ours`, the units being
-    written, hold are taken back), and a `command` that `run_as` may not run."""
+    written, hold are taken back), a `command` that `run_as` may not run, and a
+    `settings` file (a person's, not written by install) it may not read."""
     found = [
         f"{flag}: {why}" for flag, place in mine.items() if (why := cannot_listen(*place, ours))
     ]
-    if run_as is not None and (why := cannot_use(run_as, needs(command))) is not None:
+    if run_as is None:
+        return found
+    if (why := cannot_use(run_as, needs(command))) is not None:
         found.append(f"{why}, so the units would not start (203/EXEC): {SYSTEM_WIDE}")
+    if settings is not None and (why := cannot_use(run_as, {settings: READ})) is not None:
+        found.append(
+            f"{why}, so the proxy could not read its settings: put the file where "
+            f"{run_as.name} may read it (such as the services' folder, --config-dir)"
+        )
     return found
 
 
