@@ -203,7 +203,23 @@ def describe_card(reading: Reading, lines: Lines) -> str:
     return (
         f"{reading.card}: {reading.used_mib:,.0f} of {reading.total_mib:,.0f} MiB used, "
         f"{free:,.0f} free; hands off on {lines.acts_on(reading.total_mib, free)}"
+        f"{held_by(reading)}"
     )
+
+
+def held_by(reading: Reading, proc: Path = Path("/proc")) -> str:
+    """Who holds the card's memory, where its source says (NVML's process list, DRM fdinfo)."""
+    if not reading.held:
+        return ""
+
+    def name(pid: int) -> str:
+        try:
+            return (proc / str(pid) / "comm").read_text().strip()
+        except OSError:
+            return "?"
+
+    biggest = sorted(reading.held, key=lambda held: -held[1])
+    return "; held by " + ", ".join(f"{name(pid)} {pid} {mib:,.0f} MiB" for pid, mib in biggest)
 
 
 # Whether clients can be taken without changing them. `--transparent`: nftables rules in

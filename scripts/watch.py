@@ -21,6 +21,7 @@ from mitmproxy.exceptions import OptionsError
 from addon.servers.credentials import read_secret
 from addon.servers.urlchecks import url_mistake
 from scripts.parts.config import Config, with_config
+from scripts.parts.summary import card_now
 
 PALETTE = [
     ("title", "bold", ""),
@@ -46,6 +47,7 @@ def card_lines(memory: dict[str, Any]) -> list[Any]:
              ("ok" if state.get("armed") else "bad", armed),
              f"   fired {state.get('fired') or 0}"]
         )  # fmt: skip
+        rows += [("dim", f"      {said}") for said in card_now(state)]
     return section("cards", rows, "none watched")
 
 
