@@ -54,6 +54,10 @@ fi
 # vLLM's CPU build, the third engine (installed once, about 12 min; where this machine
 # cannot install it, it says why and its tests are skipped with that reason).
 .venv/bin/python -m scripts.testbed.vllmserver >/dev/null
+# LiteLLM's proxy and RAMP, which docs/beside.md's recipes run beside the proxy (each from
+# PyPI into an environment of its own, once: about 2 min; where one cannot be installed,
+# its test is skipped with the reason).
+.venv/bin/python -m scripts.testbed.beside >/dev/null
 # Debian's Prometheus and node_exporter for the fleet tests (apt-get, as root; otherwise
 # they are skipped, saying what to install).
 .venv/bin/python -m scripts.testbed.fleet || echo "setup: the fleet tests will be skipped"

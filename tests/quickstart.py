@@ -28,14 +28,14 @@ QUICK_START_PORTS = (8081, 8082, 8090)
 
 
 @contextmanager
-def quick_start_ports() -> Iterator[None]:
-    """The ports the docs' blocks use (8081, 8082, 8090), held for one test: the tests
-    that run a block wait for each other (they run in parallel workers); where another
-    program holds one of the ports, the test is skipped."""
+def quick_start_ports(*more: int) -> Iterator[None]:
+    """The ports the docs' blocks use (8081, 8082, 8090, and `more` a block also takes),
+    held for one test: the tests that run a block wait for each other (they run in
+    parallel workers); where another program holds one of the ports, the test is skipped."""
     with open(Path(tempfile.gettempdir()) / "spillover-quick-start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            for port in QUICK_START_PORTS:
+            for port in (*QUICK_START_PORTS, *more):
                 with socket.socket() as probe:
                     if probe.connect_ex(("127.0.0.1", port)) == 0:
                         pytest.skip(f"port {port}, which the quick start uses, is taken here")

@@ -48,10 +48,11 @@ def read_stream(
     on_chunk: Callable[[int], None] | None = None,
     timeout: float = 60,
     path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
 ) -> RawStream:
     """POST a streaming request and record every event; `on_chunk(n)` after each chunk."""
     stream = RawStream()
-    with httpx.stream("POST", url + path, json=body, timeout=timeout) as r:
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
         stream.status = r.status_code
         if r.status_code != 200:
             r.read()
