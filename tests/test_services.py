@@ -224,6 +224,13 @@ def test_the_public_configuration_keeps_its_guard_checking_the_proxy(
             assert httpx.get(f"{guard}/spillover/status").status_code == 404  # the primary's
             status = httpx.get(f"{guard}/spillover/status", headers=bearer)
             assert status.status_code == 200 and "routing" in status.json()
+            # The settings file names the address (0.0.0.0: asked on loopback) and the token.
+            settings = config / "spillover" / "spillover.yaml"
+            status = subprocess.run(
+                [sys.executable, "-m", "scripts.cli", "status", "--config", str(settings),
+                 "--json"], cwd=REPO, capture_output=True, text=True,
+            )  # fmt: skip
+            assert status.returncode == 0 and "routing" in json.loads(status.stdout), status
     finally:
         for process in started:
             process.terminate()
