@@ -89,14 +89,19 @@ class ChatReader:
             return Garbled(f"garbled event from {self.server}: {chunk}")
         if "error" in chunk:
             return f"in-band error from {self.server}: {error_text(chunk['error'])}"
-        changed = self.rewriter is not None
-        if self.rewriter is not None:
-            try:
-                chunk = self.rewriter.rewrite(chunk)
-            except NotAContinuation as why:
-                return str(why)
-            if chunk is None:
-                return []
+        if self.rewriter is None:
+            return self._sorted(chunk, event, False)
+        try:
+            rewritten = self.rewriter.rewrite(chunk)
+        except NotAContinuation as why:
+            return str(why)
+        # A rewriter gives the chunk as the client reads it, None for nothing, or the
+        # chunks it held (formats/startover.py), each sorted as if it came alone.
+        chunks = rewritten if isinstance(rewritten, list) else [rewritten]
+        return [e for one in chunks if one is not None for e in self._sorted(one, event, True)]
+
+    def _sorted(self, chunk: dict[str, Any], event: bytes, changed: bool) -> list[Event]:
+        """The events of one chunk (`event` as its server sent it; `changed`: rewritten)."""
         pieces, made = None, None
         if self.strip_pieces and (changed or b'"logprobs"' in event or b'"token_ids"' in event):
             pieces = take_pieces(chunk, self.strip_pieces)

@@ -2,7 +2,12 @@
 proven by its behaviour, or declared by its operator): its first words are held until
 they show it went on with the answer, and not started it over (its first words are the
 answer's first words again) or opened a new turn (a chat template's turn marker in the
-text). Either ends the leg before any of it reaches the client, with the reason."""
+text). Either ends the leg before any of it reaches the client, with the reason.
+
+Held chunks are let out as they came, every field of their deltas with them: a
+continuation that goes straight to a tool call (no words to judge, held to its end)
+reaches the client's tool-call hold (formats/toolcalls.py) piece by piece, and its
+reasoning and role in their place."""
 
 from __future__ import annotations
 
@@ -29,8 +34,8 @@ def checkable(answer: str) -> bool:
 
 class StartOverGuard:
     """Wraps a chat continuation's rewriter (of an answer `checkable`): chunks are held
-    until the leg's text is long enough to judge (or the leg ends), then let out as one.
-    Raises NotAContinuation."""
+    until the leg's text is long enough to judge (or the leg ends), then let out in
+    order. Raises NotAContinuation."""
 
     def __init__(self, rewriter: Rewriter, answer: str, server: str) -> None:
         self._rewriter = rewriter
@@ -40,10 +45,13 @@ class StartOverGuard:
         self._text = ""
         self._decided = False
 
-    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def rewrite(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks the client may have now: none while the first words are held."""
         chunk = self._rewriter.rewrite(chunk)
-        if self._decided or chunk is None:
-            return chunk
+        if chunk is None:
+            return []
+        if self._decided:
+            return [chunk]
         choices = chunk.get("choices") or []
         self._text += _text(chunk)
         self._held.append(chunk)
@@ -54,23 +62,15 @@ class StartOverGuard:
                 f"{self._text[:60]!r})"
             )
         if len(self._text.lstrip()) < COMPARED and not ended:
-            return None
+            return []
         if self._text.lstrip().startswith(self._opening):
             raise NotAContinuation(
                 f"{self._server} started the answer over instead of going on (it wrote "
                 f"{self._text[:60]!r})"
             )
         self._decided = True
-        return _joined(self._held)
-
-
-def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The held chunks as one: the last one's envelope, finish and usage, every text."""
-    last = chunks[-1]
-    text = "".join(_text(chunk) for chunk in chunks)
-    choices = last.get("choices") or [{"index": 0, "delta": {}, "finish_reason": None}]
-    first = {**choices[0], "delta": {**(choices[0].get("delta") or {}), "content": text}}
-    return {**last, "choices": [first, *choices[1:]]}
+        held, self._held = self._held, []
+        return held
 
 
 def _text(chunk: dict[str, Any]) -> str:

@@ -10,7 +10,11 @@ Modes for a chat that ends in an assistant message: "continue" (goes on from it)
 "echo" (repeats it first, then goes on), "restart" (reads the chat without it: the
 answer from its start again), "refuse" (HTTP 400, as a model that takes no prefill),
 "surrogate" (goes on, the seventh word of a streamed answer ending in half of a UTF-16
-pair, as a server that splits an emoji's escape across chunks sends it).
+pair, as a server that splits an emoji's escape across chunks sends it). With `calls`, a
+streamed chat that offers tools and ends in an assistant message is answered, after any
+echo, by a call of the first tool straight away, as OpenAI streams one (its id and name
+first, its arguments a few characters a chunk, then finish_reason "tool_calls"): what an
+agent's model writes after "Let me look that up.".
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from scripts.testbed.ollama_upstream import answer
 REFUSAL = "This model does not support assistant message prefill."
 MODEL = "hosted-model"
 HALF_PAIR_AT = 6
+ARGUMENT_PIECE = 4  # characters of a call's arguments a chunk
+
+
+def call_arguments(tool: dict[str, Any]) -> str:
+    """The arguments the stand-in calls `tool` with: each required property's first enum
+    value (its name where it has none)."""
+    properties = (tool.get("parameters") or {}).get("properties") or {}
+    required = (tool.get("parameters") or {}).get("required") or []
+    return json.dumps({name: (properties[name].get("enum") or [name])[0] for name in required})
 
 
 def own_words(name: str, messages: list[dict[str, Any]], mode: str, tokens: int) -> list[str]:
@@ -46,10 +59,13 @@ class OpenAIUpstream:
         pause_s: float = 0.0,
         cut_after: int | None = None,
         port: int = 0,
+        calls: bool = False,
     ) -> None:
         """`cut_after`: a streamed answer's connection closes after that many words (a
-        server that died mid-answer); `port`: one to listen on (another run's, say)."""
+        server that died mid-answer); `port`: one to listen on (another run's, say);
+        `calls`: a continuation offered tools is a call (see the module's text)."""
         self.name, self.mode, self.pause_s, self.cut_after = name, mode, pause_s, cut_after
+        self.calls = calls
         self.requests: list[dict[str, Any]] = []
         upstream = self
 
@@ -128,6 +144,10 @@ class OpenAIUpstream:
 
         if self.mode == "surrogate" and len(words) > HALF_PAIR_AT:
             words[HALF_PAIR_AT] += "\ud83d"
+        if self.calls and body.get("tools") and messages[-1].get("role") == "assistant":
+            echoed = words[:1] if self.mode == "echo" else []
+            self._call(handler, event, echoed, body["tools"][0]["function"])
+            return
         event({"role": "assistant", "content": ""})
         for index, word in enumerate(words):
             if index == self.cut_after:
@@ -136,6 +156,22 @@ class OpenAIUpstream:
             event({"content": word})
             time.sleep(self.pause_s)
         event({}, "length")
+        done = b"data: [DONE]\n\n"
+        handler.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+    def _call(self, handler: Any, event: Any, echoed: list[str], tool: dict[str, Any]) -> None:
+        """`echoed` words, then a whole call of `tool`, and the stream's end."""
+        event({"role": "assistant", "content": None})
+        for word in echoed:
+            event({"content": word})
+        arguments = call_arguments(tool)
+        head = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": tool["name"], "arguments": ""}}  # fmt: skip
+        event({"tool_calls": [head]})
+        for at in range(0, len(arguments), ARGUMENT_PIECE):
+            piece = arguments[at : at + ARGUMENT_PIECE]
+            event({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        event({}, "tool_calls")
         done = b"data: [DONE]\n\n"
         handler.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
