@@ -58,12 +58,12 @@ def test_a_responses_call_opened_inside_the_message_goes_out_whole_at_its_own_en
     message_done = {"type": "response.output_item.done", "item": {"type": "message",
                     "id": "msg_a"}}  # fmt: skip
     for payload in (text_done, message_done):
-        (finish,) = reader.take(event(payload))
-        assert finish.step is Step.FINISH and finish.data.count(b"event: ") == 1
+        (finish,) = reader.take(event(payload))  # held: a cut goes on in the message
+        assert finish.step is Step.HOLD and finish.data.count(b"event: ") == 1
     call_done = {"type": "response.output_item.done",
                  "item": {"type": "function_call", "id": "fc_a", "arguments": "{}"}}  # fmt: skip
     (whole,) = reader.take(event(call_done))
-    assert whole.step is Step.FINISH and whole.data.count(b"event: ") == 3
+    assert whole.step is Step.SEND and whole.data.count(b"event: ") == 3
 
 
 def test_a_continuation_that_adds_a_call_inside_the_merged_message_leaves_it_open() -> None:
@@ -76,3 +76,25 @@ def test_a_continuation_that_adds_a_call_inside_the_merged_message_leaves_it_ope
     (done,) = rewriter.rewrite({"type": "response.output_item.done",
                                 "item": {"type": "message", "id": "msg_b"}})  # fmt: skip
     assert done["item"]["id"] == "msg_a"
+
+
+def test_a_responses_call_after_its_message_closed_keeps_the_answer_open() -> None:
+    """OpenAI's order: the message item is closed before the call's item is added. The
+    answer is not over: a stream that ends inside the call is a cut (no end restated),
+    and the call goes out whole at its own done, with the message's end before it."""
+    reader = reader_of(ResponsesReader)
+    [reader.take(event(e)) for e in response_events("msg_a", 0, 0)]
+    text_done = {"type": "response.output_text.done", "item_id": "msg_a", "text": ""}
+    message_done = {"type": "response.output_item.done", "item": {"type": "message",
+                    "id": "msg_a"}}  # fmt: skip
+    held = [e for payload in (text_done, message_done) for e in reader.take(event(payload))]
+    assert [e.step for e in held] == [Step.HOLD, Step.HOLD]
+    assert reader.close() is not None  # the stream's true end here: the text was all
+    args = {"type": "response.function_call_arguments.delta", "item_id": "fc_a", "delta": "{"}
+    assert reader.take(event(call_added("fc_a"))) == reader.take(event(args)) == []
+    assert reader.close() is None  # ended inside the call: cut
+    call_done = {"type": "response.output_item.done",
+                 "item": {"type": "function_call", "id": "fc_a", "arguments": "{}"}}  # fmt: skip
+    (whole,) = reader.take(event(call_done))
+    assert whole.step is Step.SEND and whole.data.count(b"event: ") == 3
+    assert reader.close() is None  # a restated response would leave the call out

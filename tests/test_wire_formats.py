@@ -183,7 +183,7 @@ def test_a_response_whose_server_died_after_its_text_ends_whole() -> None:
     reader = ResponsesReader(transcript, None, "http://primary")
     assert reader.close() is None  # mid-answer: a cut, handed off
     done = {"type": "response.output_text.done", "item_id": "msg_a", "text": ""}
-    assert [e.step for e in reader.take(event(done))] == [Step.FINISH]
+    assert [e.step for e in reader.take(event(done))] == [Step.HOLD]
     end = json.loads(reader.close().split(b"data: ")[1])
     assert end["type"] == "response.completed"
     assert end["response"]["id"] == "resp_msg_a"

@@ -12,6 +12,12 @@ whole text, the client's response id and the whole answer's usage. A function ca
 out whole, like a chat tool call (formats/heldcalls.py). Reasoning carries over as
 in chat: cut while reasoning, the next server goes on in the client's reasoning item;
 cut after the text began, its restatement of the reasoning is dropped.
+
+The answer ends at `response.completed`, not at its text's `.done`: OpenAI, vLLM and
+hosted APIs close the message item before they add a function call's item and stream
+its arguments. An item's finishing events are held until something follows them, so a
+leg cut after them (during a call, or before the response's end) goes on in the
+message the client still has open, and the stall watch stays on until the end.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from typing import Any
 
 from addon.formats import sse
 from addon.formats.continuation import bound_by
-from addon.formats.dialect import EchoStrip, Event, Rewriter, Step, prefilled, with_fewer_tokens
+from addon.formats.dialect import (
+    EchoStrip,
+    Event,
+    Rewriter,
+    Step,
+    prefilled,
+    unknown_echo,
+    with_fewer_tokens,
+)
 from addon.formats.heldcalls import HeldCalls, responses_part
 from addon.formats.shape import positive_int
 from addon.formats.sizes import bound
@@ -33,6 +47,8 @@ SEP = sse.TERMINATOR
 JSON = [(b"content-type", b"application/json")]
 STARTS = ("response.created", "response.in_progress")
 REASONING_DELTAS = ("response.reasoning_text.delta", "response.reasoning_summary_text.delta")
+TEXT_DONE = ("response.output_text.done", "response.content_part.done")
+CONTINUED_ITEMS = ("message", "reasoning")  # what a cut goes on with
 ENDS = ("response.completed", "response.incomplete")
 
 
@@ -50,7 +66,8 @@ class ResponsesReader(TypedEventReader):
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
         super().__init__(transcript, rewriter, server)
         self._calls = HeldCalls()  # a new leg starts with no call's events: cut ones dropped
-        self._finished = False
+        self._text_done = False
+        self._called = False  # a function call began in this leg
 
     def plain(self, block: bytes) -> bytes | None:
         """Only text deltas, which nothing but the transcript needs to read."""
@@ -75,16 +92,16 @@ class ResponsesReader(TypedEventReader):
         if kind in ENDS:
             return [Event(Step.END, data)]
         if (call := self._calls.take(responses_part(payload), data)) is not None:
+            self._called = True
             if not call:
                 return []
-            step = Step.FINISH if self._finished else Step.SEND  # (the answer's end stays last)
-            return [Event(step, b"".join(call), {**payload, "type": "function_call"})]
-        if self._finished or kind == "response.output_text.done":
-            self._finished = True
-            return [Event(Step.FINISH, data)]
+            return [Event(Step.SEND, b"".join(call), {**payload, "type": "function_call"})]
         item = payload.get("item") or {}
-        if kind == "response.output_item.done" and item.get("type") == "reasoning":
-            return [Event(Step.HOLD, data, payload)]  # a cut goes on with the reasoning
+        if kind in TEXT_DONE or (
+            kind == "response.output_item.done" and item.get("type") in CONTINUED_ITEMS
+        ):
+            self._text_done |= kind == TEXT_DONE[0]
+            return [Event(Step.HOLD, data, payload)]  # a cut goes on in the open item
         return [Event(Step.SEND, data, payload)]
 
     def record(self, payload: dict[str, Any]) -> None:
@@ -112,8 +129,10 @@ class ResponsesReader(TypedEventReader):
             wire["next"] = max(wire.get("next", 0), at + 1)
 
     def close(self) -> bytes | None:
-        """The server wrote the whole text and died before `response.completed`."""
-        if not self._finished:
+        """The stream ended, cleanly, after the whole text of an answer with no call, and
+        before `response.completed`; None where a call began (it may be cut, or missing
+        from a restated response) or the text is not done."""
+        if not self._text_done or self._called or self.transcript.other_parts:
             return None
         wire = self.transcript.wire
         response = {
@@ -338,7 +357,7 @@ class Responses:
             return why
         if (prefill := _prefill(body)) is not None and output_text(prefill) is None:
             return "the client's assistant prefill is not plain text"
-        return None
+        return unknown_echo(transcript)
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
         body = with_fewer_tokens(body, transcript.produced, ("max_output_tokens",))
@@ -351,7 +370,8 @@ class Responses:
             thought = [_reasoning_part(transcript.reasoning_text)]
             items = [*items, {"type": "reasoning", "summary": [], "content": thought}]
         if transcript.text:
-            items = prefilled(items, transcript.text, _assistant, output_text)
+            echoed = transcript.prefill_echoed
+            items = prefilled(items, transcript.text, echoed, _assistant, output_text)
         body["input"] = items
         return body
 
