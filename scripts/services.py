@@ -210,7 +210,9 @@ def install(args: argparse.Namespace) -> None:
     chosen = settings(args, confdir)
     settle(args, chosen)
     routed = bool(args.workers or args.transparent)
-    servers = [args.primary, *filter(None, args.fallbacks.split(","))]
+    servers = [args.primary, *(url.strip() for url in args.fallbacks.split(",") if url.strip())]
+    if wrong := servicechecks.wrong_servers(servers, chosen.config):
+        raise SystemExit("\n".join(f"services: {problem}" for problem in wrong))
     service_user = User.named(args.run_as) if args.system and args.run_as != "root" else None
     check(args, servers, routed, service_user, None if chosen.keys is not None else chosen.path)
     confdir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import scripts
+from addon.servers.keyed import PARSERS, keyed_mistakes
+from addon.servers.urlchecks import server_mistakes
 from scripts.parts.access import READ, RUN, User, cannot_use
+from scripts.parts.config import Config
 from scripts.parts.ports import address, cannot_listen, clash, same_socket
 
 SYSTEM_WIDE = (
@@ -27,6 +30,16 @@ def listeners(listen: str, proxy_port: int, guarded: bool) -> dict[str, tuple[st
     if guarded:
         taken["--proxy-port"] = ("127.0.0.1", proxy_port)
     return taken
+
+
+def wrong_servers(servers: list[str], config: Config) -> list[str]:
+    """The servers' URLs, and the settings file's options that name servers, checked as
+    `spillover run` and the addon check them."""
+    primary, *fallbacks = servers
+    named = {name: value for name in PARSERS if (value := config.option(name)) is not None}
+    return server_mistakes([primary], fallbacks, []) or keyed_mistakes(
+        named, [url.rstrip("/") for url in servers]
+    )
 
 
 def contradictions(mine: dict[str, tuple[str, int]], servers: list[str]) -> list[str]:
