@@ -145,8 +145,7 @@ class Splice:
         targets = [t for t in below if self._admits(self.ladder[t])]
         if not targets:
             return None
-        limit = self.dialect.limit(self.body)
-        spent = limit is not None and self.transcript.produced >= limit
+        spent = self._spent() is not None
         if spent or self.dialect.cannot_continue(self.body, self.transcript) is not None:
             return None
         decided = time.monotonic()
@@ -183,13 +182,22 @@ class Splice:
                 if await self._next.fits(self.ladder[index]) and self._admits(self.ladder[index]):
                     target = index
                     break
-            if target is None or leg is not self._leg_task or not self.can_cut:
-                return False  # nowhere with room, or the answer ended or moved meanwhile
+            moved_on = leg is not self._leg_task or not self.can_cut or self._spent() is not None
+            if target is None or moved_on:
+                return False  # nowhere with room, or it ended, moved or wrote its last token
             self._cut(reason, kind, decided, target)
             return True
         finally:
             if self._pending is None:
                 self._moving = False
+
+    def _spent(self) -> str | None:
+        """Why nothing is left to continue: the answer has every token its request allows
+        (a leg asked to go on would still write one: no server takes a limit of 0)."""
+        limit = self.dialect.limit(self.body)
+        if limit is None or self.transcript.produced < limit:
+            return None
+        return f"the answer has all the {limit} tokens its request allows"
 
     @property
     def can_cut(self) -> bool:
@@ -278,7 +286,8 @@ class Splice:
                 self._rungs.failed.discard(self._rungs.at)
                 continue
             self.transcript.settle()
-            if (why := self.dialect.cannot_continue(self.body, self.transcript)) is not None:
+            why = self._spent() or self.dialect.cannot_continue(self.body, self.transcript)
+            if why is not None:
                 self._give_up(client, f"{failure}; {why}")
                 return
             if target is None:
