@@ -18,7 +18,7 @@ from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.handoff.renderings import Renderings
-from addon.handoff.sampling import vllm_differs
+from addon.handoff.sampling import sampled_as_first, sampled_otherwise
 from addon.handoff.vllm import VllmTerms
 from addon.servers import vllm_routes
 from addon.servers.directory import ServerDirectory
@@ -111,7 +111,8 @@ class NextLeg:
             raise CannotContinue(why)
         if (why := self._foreign_ids(upstream)) is not None:
             raise CannotContinue(why)
-        if (why := self._sampled_otherwise(upstream) or self._parsed_only(upstream)) is not None:
+        why = sampled_otherwise(self._servers, self.body, self.transcript, upstream)
+        if (why := why or self._parsed_only(upstream)) is not None:
             raise CannotContinue(f"{upstream.url}: {why}")
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
@@ -128,6 +129,7 @@ class NextLeg:
                 replay += f", {UNPROVEN[proof]}"
                 rewriter = self._first_words_held(upstream, rewriter, proof)
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
+        body = sampled_as_first(self._servers, self.body, body, self.transcript, upstream)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         if terms is None and replay and self._checked_as_chat(upstream):
@@ -169,15 +171,6 @@ class NextLeg:
             servers.asker(upstream), self.body, body, self.transcript,
             router=servers.get(upstream).engine != "llama-server",
         )  # fmt: skip
-
-    def _sampled_otherwise(self, upstream: Upstream) -> str | None:
-        """Why a vLLM `upstream` would sample the rest otherwise (handoff/sampling.py)."""
-        servers, transcript = self._servers, self.transcript
-        if servers is None or servers.get(upstream).engine != vllm.ENGINE:
-            return None
-        if not (transcript.content or transcript.reasoning):
-            return None
-        return vllm_differs(self.body, transcript.produced, self._first_engine())
 
     def _parsed_only(self, upstream: Upstream) -> str | None:
         """Why a vLLM primary's answer, which its parsers may have changed (tools were
