@@ -1,21 +1,26 @@
 """What a continuation leg adds to the client's chunks: nothing the client did not ask
-for. Real llama-servers with Qwen3's template (whose trailing message opens a reasoning
-block the model never wrote, so the answer goes on as a text completion on the native
-/completion) behind a real proxy."""
+for, and no special token the model did not write. Real llama-servers with Qwen3's
+template (whose trailing message opens a reasoning block the model never wrote, so the
+answer goes on as a text completion on the native /completion) behind a real proxy; a
+real router and a real llama-cpp-python asked the same."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 from scripts.testbed.llamacppfiles import templates
-from scripts.testbed.llamaserver import LlamaServer
+from scripts.testbed.llamacpppython import LlamaCppPythonServer
+from scripts.testbed.llamaserver import LlamaRouter, LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import HALF_PAIR_AT, OpenAIUpstream
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
+from scripts.testbed.tinymodels import reasoning_template
 from tests.chat_shapes import SHAPES
-from tests.streams import assert_one_clean_stream, read_stream
+from tests.streams import RawStream, assert_one_clean_stream, read_stream
 
 QWEN3 = "Qwen-Qwen3-0.6B"
 NEMO = "mistralai-Mistral-Nemo-Instruct-2407"
@@ -139,3 +144,114 @@ def test_text_that_spells_a_special_token_of_the_fallback_is_not_sent_as_text(
             assert_one_clean_stream(stream)
             assert stream.segments[0] == " the river bridge" and stream.segments[1]
         primary.close()
+
+
+def _said(delta: dict[str, str]) -> bytes:
+    """A stand-in's chat chunk carrying `delta` (reasoning or content)."""
+    chunk = {"id": "chatcmpl-fake", "created": 1, "model": "fake",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _text(text: str) -> bytes:
+    """A stand-in's text completion chunk."""
+    chunk = {"id": "cmpl-fake", "created": 1, "model": "fake", "object": "text_completion",
+             "choices": [{"index": 0, "text": text, "finish_reason": None}]}  # fmt: skip
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _spelled_error(stream: RawStream) -> str:
+    (error,) = stream.errors
+    message = error["error"]["message"]
+    assert "spells '<|im_end|>'" in message, message
+    return message
+
+
+def test_reasoning_that_spells_a_special_token_is_not_sent_as_text(
+    models: dict[str, Path], start_server: Callable[..., LlamaServer],
+    start_proxy: Callable[..., Mitmdump],
+) -> None:  # fmt: skip
+    """The reasoning path (the raw output not known: a stand-in primary sends no pieces)
+    asks too: a stand-in that dies while reasoning `<|im_end|>` as ordinary pieces, a
+    real llama-server fallback on the tiny reasoning template, whose chat route renders
+    the trailing message as the truth and would read that text as its end of turn."""
+    template = str(reasoning_template(models["fallback"].parent))
+    fallback = start_server("fallback", extra_args=["--chat-template-file", template])
+    events = (sse_chunk(role=True), *(_said({"reasoning_content": t}) for t in
+              (" the", " river", " <|im_end|>")))  # fmt: skip
+    primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+    proxy = start_proxy(primary.url, [fallback.url])
+    proxy.servers_known()
+    stream = read_stream(proxy.url, {**SHAPES["plain"], "max_tokens": 20, "stream": True})
+    _spelled_error(stream)
+    primary.close()
+
+
+def test_a_text_completion_that_spells_a_special_token_is_not_sent_as_text(
+    start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """`/v1/completions` goes on as its own dialect (no rendering to compare): the real
+    llama-server fallback is asked all the same; plain words go on."""
+    fallback = start_server("fallback")
+    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
+        events = (_text(" the"), _text(" river"), _text(said))
+        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+        proxy = start_proxy(primary.url, [fallback.url])
+        proxy.servers_known()
+        body = {"prompt": "Tell me about the river.", "max_tokens": 20, "stream": True}
+        stream = read_stream(proxy.url, body, path="/v1/completions")
+        if spells:
+            _spelled_error(stream)
+        else:
+            assert stream.done == 1 and not stream.errors  # (text chunks have no role)
+            assert stream.segments[0] == " the river bridge" and stream.segments[1]
+        primary.close()
+
+
+def test_a_router_is_asked_whether_text_spells_its_special_tokens(
+    models: dict[str, Path], server_logs: Path, start_proxy: Callable[..., Mitmdump],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """A llama-server router answers `/tokenize` for the model named: asked as a
+    llama-server is (it was not asked at all)."""
+    directory = tmp_path / "router"
+    directory.mkdir()
+    (directory / "fallback.gguf").symlink_to(models["fallback"])
+    router = LlamaRouter(directory, log_dir=server_logs).start()
+    try:
+        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"),
+                  sse_chunk(" <|im_end|>"))  # fmt: skip
+        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+        proxy = start_proxy(primary.url, [router.url])
+        assert proxy.servers_known()[router.url]["engine"] == "llama-server router"
+        body = {**SHAPES["plain"], "model": "fallback", "max_tokens": 20, "stream": True}
+        _spelled_error(read_stream(proxy.url, body))
+        primary.close()
+    finally:
+        router.stop()
+
+
+def test_llama_cpp_python_is_asked_whether_text_spells_its_special_tokens(
+    models: dict[str, Path], server_logs: Path, start_proxy: Callable[..., Mitmdump]
+) -> None:
+    """llama-cpp-python's text route reads a prompt with its special tokens parsed: its
+    own tokenizer, asked (`/extras/tokenize`, read back by `/extras/detokenize`, which
+    drops a control token), tells; plain words go on."""
+    fallback = LlamaCppPythonServer(models["fallback"], log_dir=server_logs).start(timeout=120)
+    try:
+        for said, spells in ((" <|im_end|>", True), (" bridge", False)):
+            events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"),
+                      sse_chunk(said))  # fmt: skip
+            primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+            proxy = start_proxy(primary.url, [fallback.url])
+            proxy.servers_known()
+            stream = read_stream(proxy.url, {**SHAPES["plain"], "max_tokens": 20, "stream": True})
+            if spells:
+                (error,) = stream.errors
+                assert "' the river <|im_end|>', back as ' the river '" in str(error), error
+            else:
+                assert_one_clean_stream(stream)
+                assert stream.segments[0] == " the river bridge" and stream.segments[1]
+            primary.close()
+    finally:
+        fallback.stop()

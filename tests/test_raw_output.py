@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from itertools import islice
 from typing import Any, NamedTuple
 
@@ -88,13 +89,15 @@ def read_cut(
 ) -> RawStream:  # fmt: skip
     """The answer to `body` through `proxy`, a handoff asked as the client gets each chunk
     numbered in `at` (the first holds the role alone), the `slowed` servers throttled as on
-    a slow card and held while it is asked: run free, a tiny model writes the whole answer
-    before a loaded machine's client reaches the chunk that cuts it."""
-    with Throttled(*(server.pid for server in slowed), **pace) as throttle:
+    a slow card: run free, a tiny model writes the whole answer before a loaded machine's
+    client reaches the chunk that cuts it. The i-th cut is of the i-th of `slowed`, held
+    while it is asked (the next one is not: it is asked before the cut)."""
+    with ExitStack() as stack:
+        throttles = [stack.enter_context(Throttled(server.pid, **pace)) for server in slowed]
 
         def on_chunk(n: int) -> None:
             if n in at:
-                with throttle.held():
+                with throttles[at.index(n)].held():
                     handoff(proxy, reason="test pressure")
 
         return read_stream(proxy.url, body, on_chunk=on_chunk)
@@ -267,3 +270,49 @@ def test_what_the_model_wrote_stays_known_after_the_first_handoff(
     assert not "".join(stream.segments)
     expected = own_continuation(last, body, raw, stream.notes[1], ANSWER - said - then)
     assert stream.thoughts[2] == expected and expected
+
+
+CLOSE = "</think>"
+
+
+def test_an_answer_past_qwen35s_reasoning_ends_in_band_where_its_closing_tag_was_hidden(
+    pair: Callable[[str], tuple[LlamaServer, LlamaServer, Mitmdump]],
+) -> None:
+    """Qwen 3.5's template on real llama-servers, the model pushed to close its reasoning
+    early (a logit bias on </think>) and killed once its content began. Its parser hid
+    the tag, and the whitespace around it, from every chunk (a count of the tokens, no
+    ids): the template writes "\\n</think>\\n\\n" there, the model did not, and the
+    answer ends in-band saying what is not known (it went on from the template's)."""
+    first, second, proxy = pair(QWEN35)
+    close = httpx.post(f"{first.url}/tokenize", json={"content": CLOSE}).json()["tokens"]
+    body = {**SHAPES["plain"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
+    for push in (8.0, 12.0, 16.0, 20.0):
+        body["logit_bias"] = [[close[0], push]]
+        said = [(c["delta"].get("reasoning_content"), c["delta"].get("content"))
+                for c in _choices(first, body)]  # fmt: skip
+        reasoned = sum(1 for thought, _ in said if thought)
+        if reasoned and sum(1 for _, text in said if text) >= 8:
+            break
+    else:
+        pytest.fail("no push on </think> gave reasoning, then 8 chunks of content")
+    native = {"prompt": rendered(first, body), "n_predict": ANSWER, "temperature": 0,
+              "logit_bias": body["logit_bias"]}  # fmt: skip
+    raw = httpx.post(f"{first.url}/completion", json=native, timeout=60).json()["content"]
+    assert CLOSE in raw and f"\n{CLOSE}\n\n" not in raw, raw
+    thought = {"role": "assistant", "reasoning_content": "r", "content": "c"}
+    template = rendered(second, {**body, "messages": [*body["messages"], thought]})
+    assert f"r\n{CLOSE}\n\nc" in template, template
+    with Throttled(first.pid):
+        stream = read_stream(proxy.url, body, on_chunk=lambda n: n == reasoned + 4 and first.kill())
+    (error,) = stream.errors
+    assert "closed its reasoning with tokens the client never saw" in error["error"]["message"]
+    assert stream.done == 0 and stream.thoughts[0] and stream.segments[0]
+    assert not "".join(stream.segments[1:] + stream.thoughts[1:]), "nothing after the cut"
+
+
+def _choices(server: LlamaServer, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The choices of `server`'s own streamed answer to `body`."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                yield from json.loads(line[6:])["choices"]

@@ -24,6 +24,7 @@ from scripts.testbed.tinymodels import reasoning_template
 from tests.streams import PROMPT, assert_one_clean_stream, chat_body, read_stream
 from tests.test_raw_output import pieces, rendered, text_of
 from tests.test_splice import handoff_after
+from tests.throttle import Throttled
 
 ANSWER = 240
 CUTS = [3, 15, 30]
@@ -251,24 +252,6 @@ def thinkers(
     return Thinkers(first, second, proxy, body)
 
 
-def answer(server_url: str, body: dict, reasoning: str = "", content: str = "") -> dict:
-    """The server's own non-streaming answer, continuing an assistant message if given."""
-    messages = body["messages"]
-    if reasoning or content:
-        messages = [
-            *messages,
-            {"role": "assistant", "reasoning_content": reasoning, "content": content},
-        ]
-    request = {**body, "messages": messages, "stream": False}
-    reply = httpx.post(f"{server_url}/v1/chat/completions", json=request, timeout=60).json()
-    message = reply["choices"][0]["message"]
-    return {"reasoning": message.get("reasoning_content") or "", "content": message["content"]}
-
-
-def after_echo(text: str, prefill: str) -> str:
-    return text[len(prefill) :] if text.startswith(prefill) else text
-
-
 @pytest.mark.parametrize("cut_after", CUTS)
 def test_reasoning_cut_midway_goes_on_and_the_content_follows_in_its_field(
     thinkers: Thinkers, cut_after: int
@@ -298,23 +281,32 @@ def test_reasoning_cut_midway_goes_on_and_the_content_follows_in_its_field(
     assert sum(stream.segment_tokens) == ANSWER - 1  # </think> was a token, without a delta
 
 
-def test_content_after_reasoning_goes_on_without_restating_the_reasoning(
+def test_an_answer_past_its_reasoning_ends_in_band_where_its_closing_tag_was_hidden(
     thinkers: Thinkers,
 ) -> None:
+    """Killed once its content began: the tag that closed the reasoning came in no chunk
+    (the parser hid it; llama-server's chat stream sends no ids for it), and the model
+    wrote it without the whitespace the template writes around it, so no trailing message
+    reads what the model wrote. The answer ends in-band saying so (it went on from the
+    template's "\n</think>\n\n" before)."""
     first, second, proxy = thinkers.first, thinkers.second, thinkers.proxy
     request = thinkers.body(SHORT_THOUGHT)
-    whole = answer(first.url, request)
     thinking = read_stream(first.url, request)
     reasoning_tokens = sum(
         1 for c in thinking.chunks if c["choices"][0]["delta"].get("reasoning_content")
     )
-    on_chunk = handoff_after(proxy, reasoning_tokens + 4, hold=first)
-    stream = read_stream(proxy.url, request, on_chunk=on_chunk)
-    assert_one_clean_stream(stream)
-    assert stream.thoughts == [whole["reasoning"], ""]  # all from the primary, said once
-    said = stream.segments[0]
-    assert said and whole["content"].startswith(said)
-    left = ANSWER - stream.segment_tokens[0] - 1  # and the </think> token
-    rest = answer(second.url, {**request, "max_tokens": left}, whole["reasoning"], said)
-    assert stream.segments[1] == after_echo(rest["content"], said) and stream.segments[1]
-    assert sum(stream.segment_tokens) == ANSWER - 1  # </think> was a token, without a delta
+    native = {"prompt": rendered(first, request), "n_predict": reasoning_tokens + 3,
+              "temperature": 0, "logit_bias": request["logit_bias"]}  # fmt: skip
+    raw = httpx.post(f"{first.url}/completion", json=native, timeout=60).json()["content"]
+    closing = raw.partition(CLOSE)
+    template = {**request, "messages": [*request["messages"], {
+        "role": "assistant", "reasoning_content": closing[0].strip(), "content": "x"}]}  # fmt: skip
+    assert CLOSE in raw and f"\n{CLOSE}\n\n" in rendered(second, template)
+    assert f"\n{CLOSE}\n\n" not in raw, "the model writes the template's whitespace"
+    with Throttled(first.pid):
+        kill = lambda n: n == reasoning_tokens + 4 and first.kill()  # noqa: E731
+        stream = read_stream(proxy.url, request, on_chunk=kill)
+    (error,) = stream.errors
+    assert "closed its reasoning with tokens the client never saw" in error["error"]["message"]
+    assert stream.done == 0 and stream.thoughts[0] and stream.segments[0]
+    assert not "".join(stream.segments[1:] + stream.thoughts[1:]), "nothing after the cut"

@@ -104,9 +104,9 @@ def test_length_body_stops_at_its_length() -> None:
     assert LengthBody(None).until_close
 
 
-def delivered(*texts: str) -> Transcript:
+def delivered(*texts: str, echoes: bool | None = False) -> Transcript:
     transcript = Transcript()
-    transcript.begin_leg("http://primary")
+    transcript.begin_leg("http://primary", echoes=echoes)
     reader = ChatReader(transcript, None, False, "http://primary")
     block = sse_chunk(role=True) + b"".join(sse_chunk(t) for t in texts)
     transcript.record_raw(block, reader.read_block)
@@ -130,15 +130,32 @@ def test_continuation_appends_the_delivered_text_and_lowers_limits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("answer", "expected"),
-    [(" the river", "Once the river"), ("Once the river", "Once the river")],
+    ("answer", "echoes", "expected"),
+    [
+        (" the river", False, "Once the river"),
+        ("Once the river", True, "Once the river"),
+        ("Once", True, "Once"),  # cut inside the echo: nothing written yet
+        # An answer that begins with the prefill's own words from a server that sends
+        # none back: the words are the model's (a guess from the text lost them).
+        ("Once more", False, "OnceOnce more"),
+    ],
 )
-def test_continuation_extends_a_client_prefill(answer: str, expected: str) -> None:
-    """Servers that echo a prefill sent it to the client already; others did not."""
+def test_continuation_extends_a_client_prefill(answer: str, echoes: bool, expected: str) -> None:
+    """Servers that echo a prefill sent it to the client already; others did not: the
+    transcript knows which from the request and the engine (handoff/seen.py)."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
     original = {"messages": messages}
-    body = continuation_body(original, delivered(answer))
+    body = continuation_body(original, delivered(answer, echoes=echoes))
     assert prefill_of(body) == expected and len(body["messages"]) == 2
+
+
+def test_an_echo_not_known_is_not_continued() -> None:
+    """A first server whose echo is not known (an engine the addon cannot tell, never
+    probed) leaves what the model wrote after the prefill unknown: not continued."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    why = cannot_continue({"messages": messages}, delivered("Once upon", echoes=None))
+    assert why is not None and "sent the client's assistant prefill back" in why
+    assert cannot_continue({"messages": messages}, delivered("Once upon")) is None
 
 
 def rewrite_all(rewriter: ChunkRewriter, texts: list[str]) -> str:
@@ -392,3 +409,40 @@ def test_a_parser_trimmed_space_is_in_the_raw_output() -> None:
     transcript.begin_leg("http://primary")
     transcript.record(_counted("Hello", 5, " Hello", 1))
     assert transcript.text == "Hello" and transcript.raw_output() == " Hello"
+
+
+def _thought_chunk(text: str, ids: list[int] | None = None) -> dict:
+    """A chunk as the vLLM builds between its rename of `reasoning_content` and the old
+    name's removal (about 0.12 to 0.15) wrote one: the reasoning in both fields, the same
+    text (a stand-in: vLLM 0.32, installed here, writes `reasoning` alone)."""
+    choice: dict = {"index": 0, "delta": {"reasoning": text, "reasoning_content": text}}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"id": "chatcmpl-v", "created": 1, "choices": [choice]}
+
+
+def test_reasoning_in_both_fields_is_one_reasoning_with_its_ids() -> None:
+    transcript = Transcript()
+    transcript.begin_leg("http://vllm", vocabulary="v")
+    transcript.record(_thought_chunk(" the", [7]))
+    transcript.record(_thought_chunk(" river", [8]))
+    assert transcript.reasoning_text == " the river"
+    assert transcript.reasoning_fields == ("reasoning_content", "reasoning")
+    assert transcript.exact_ids() == [7, 8], "the ids spell the reasoning once"
+
+
+def test_a_restated_reasoning_in_both_fields_is_taken_out_of_both() -> None:
+    """A continuation that writes the reasoning again, in both fields: echoed while the
+    reasoning goes on (taken out, the rest in each field the client reads), restated
+    whole once the content began (dropped from both)."""
+    thinking = Transcript()
+    thinking.begin_leg("http://vllm")
+    thinking.record(_thought_chunk(" the river"))
+    rewriter = ChunkRewriter(thinking, "", echo=True)
+    (choice,) = rewriter.rewrite(_thought_chunk(" the river runs"))["choices"]
+    assert choice["delta"] == {"reasoning_content": " runs", "reasoning": " runs"}
+    answered = Transcript()
+    answered.begin_leg("http://vllm")
+    answered.record(_thought_chunk(" the river"))
+    answered.record({"choices": [{"index": 0, "delta": {"content": "It runs."}}]})
+    assert ChunkRewriter(answered, "", echo=True).rewrite(_thought_chunk(" the river")) is None

@@ -23,8 +23,10 @@ import openai
 import pytest
 
 from addon.formats.chat import Chat
+from addon.formats.transcript import Transcript
 from addon.handoff import seen
 from addon.handoff.nextleg import CannotContinue, NextLeg
+from addon.handoff.seen import prefill_echoed
 from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import CHAT_RENDERING
@@ -518,6 +520,107 @@ def test_an_answer_ending_in_whitespace_passes_a_server_whose_template_trims_it(
     assert stream.text == "The river bridge\n\n"
     primary.close()
     alone.close()
+
+
+def test_text_that_spells_a_special_token_of_a_vllm_fallback_is_not_sent_as_text(
+    start_proxy, vllm: VllmServer
+) -> None:
+    """vLLM's `/tokenize` reads every added token of its tokenizer in a text, and has no
+    switch: its added tokens are asked of its `/tokenizer_info` instead, and a text that
+    holds one (`<|im_end|>` from a scripted primary that dies after it: no real model
+    here writes it as ordinary pieces on demand) does not go there; plain words go on."""
+    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
+        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(said))
+        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+        proxy = start_proxy(primary.url, [vllm.url])
+        proxy.servers_known()
+        stream = read_stream(proxy.url, chat_body(20, model="any"))
+        if spells:
+            (error,) = stream.errors
+            assert "spells '<|im_end|>'" in error["error"]["message"], error
+        else:
+            assert_one_clean_stream(stream)
+            assert stream.segments[0] == " the river bridge" and stream.segments[1]
+        primary.close()
+
+
+def test_an_answer_that_begins_as_its_prefill_did_goes_on_from_every_character_on_vllm(
+    vllm: VllmServer,
+) -> None:
+    """vLLM sends a prefill back only where asked `echo`: an answer that begins with the
+    client's prefilled newline goes on from every character of it (a guess from the text
+    took the first for an echo, and the check agreed with a prompt one newline short)."""
+    answer = "\n\nThe river runs north"
+    messages = [*PROMPT, {"role": "assistant", "content": "\n"}]
+    body = {"model": SERVED_NAME, "messages": messages, **FINAL, "max_tokens": 40,
+            "stream": True}  # fmt: skip
+    read, truth = asyncio.run(_prefill_continued(vllm, body, answer))
+    assert read == truth, (read[-30:], truth[-30:])
+
+
+def test_a_vllm_answer_that_begins_as_its_prefill_did_goes_on_on_llama_server(
+    start_server, vllm: VllmServer
+) -> None:
+    """The same answer written by vLLM and continued by a llama-server: the prompt it
+    reads is its rendering of the request as sent, then every newline of the answer."""
+    fallback = start_server("fallback")
+    answer = "\n\nThe river runs north"
+    messages = [*PROMPT, {"role": "assistant", "content": "\n"}]
+    body = {"messages": messages, **FINAL, "max_tokens": 40, "stream": True}
+
+    async def continued() -> dict:
+        servers = ServerDirectory()
+        try:
+            first = await servers.probe(Upstream(vllm.url), True)
+            await servers.probe(Upstream(fallback.url), True)
+            record = Transcript()
+            record.begin_leg(vllm.url, echoes=prefill_echoed(body, first))
+            for text in (answer[:5], answer[5:]):
+                record.record({"choices": [{"index": 0, "delta": {"content": text}}]})
+            leg = NextLeg("/v1/chat/completions", Chat("messages"), body, record, servers, False)
+            _, sent, _, _ = await leg.continuation(Upstream(fallback.url))
+            return sent
+        finally:
+            await servers.close()
+
+    sent = asyncio.run(continued())
+    asked = {k: v for k, v in sent.items() if k in CHAT_RENDERING}
+    read = httpx.post(f"{fallback.url}/apply-template", json=asked).json()["prompt"]
+    saw = {k: v for k, v in body.items() if k in CHAT_RENDERING}
+    truth = httpx.post(f"{fallback.url}/apply-template", json=saw).json()["prompt"] + answer
+    assert read == truth, (read[-30:], truth[-30:])
+
+
+async def _prefill_continued(vllm: VllmServer, body: dict, answer: str) -> tuple[str, str]:
+    """The text of the prompt vLLM reads for the continuation the addon builds of
+    `answer` (vLLM's own first leg, as the splice records it), and the truth: its
+    rendering of the request as sent, then the answer."""
+    servers = ServerDirectory()
+    upstream = Upstream(vllm.url)
+    try:
+        info = await servers.probe(upstream, True)
+        record = Transcript()
+        record.begin_leg(vllm.url, echoes=prefill_echoed(body, info))
+        for text in (answer[:5], answer[5:]):
+            record.record({"choices": [{"index": 0, "delta": {"content": text}}]})
+        leg = NextLeg("/v1/chat/completions", Chat("messages"), body, record, servers, False)
+        path, sent, _, _ = await leg.continuation(upstream)
+    finally:
+        await servers.close()
+    async with httpx.AsyncClient(base_url=vllm.url, timeout=60) as client:
+
+        async def text(ids: list[int]) -> str:
+            said = await client.post("/detokenize", json={"model": SERVED_NAME, "tokens": ids})
+            return said.json()["prompt"]
+
+        rendering = {k: v for k, v in body.items() if k in CHAT_RENDERING or k == "model"}
+        saw = (await client.post("/tokenize", json=rendering)).json()["tokens"]
+        if path == "/v1/completions":
+            read = sent["prompt"]
+        else:
+            request = {k: v for k, v in sent.items() if k in CHAT_RENDERING or k == "model"}
+            read = (await client.post("/tokenize", json=request)).json()["tokens"]
+        return await text(read), await text(saw) + answer
 
 
 def test_a_prompt_too_long_for_vllm_goes_to_a_server_with_more_room(

@@ -29,6 +29,7 @@ from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
 from addon.handoff.nextleg import NextLeg, rerouted
 from addon.handoff.record import Handoff
+from addon.handoff.seen import prefill_echoed
 from addon.servers.credentials import redacted
 from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
@@ -421,7 +422,8 @@ class Splice:
             self._notes.release(client)
             info = self._fleet.servers.get(upstream)
             raw_pieces = info.engine in RENDERS_ON_ASKING
-            self.transcript.begin_leg(upstream.url, info.tokenizer, raw_pieces)
+            echoes = prefill_echoed(self.body, info)  # where it writes the answer's first text
+            self.transcript.begin_leg(upstream.url, info.tokenizer, raw_pieces, echoes)
             strip = self._strip_pieces
             reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
             pump = Pump(

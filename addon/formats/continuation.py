@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from addon.formats.dialect import EchoStrip, prefilled, with_fewer_tokens
+from addon.formats.dialect import EchoStrip, prefilled, unknown_echo, with_fewer_tokens
 from addon.formats.shape import constraint_of, positive_int, text_of
-from addon.formats.transcript import REASONING_FIELDS, Transcript
+from addon.formats.transcript import Transcript, thought_fields
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
@@ -39,20 +39,14 @@ def continuation_body(original: dict[str, Any], transcript: Transcript) -> dict[
             delivered = delivered.removeprefix(body["prompt"])
         body["prompt"] += delivered  # a text completion simply goes on from its prompt
     else:
-        if echoed:
-            delivered = delivered.removeprefix(prefill_of(body) or "")
-        messages = prefilled(list(body.get("messages") or []), delivered, _assistant)
+        messages = list(body.get("messages") or [])
+        messages = prefilled(messages, delivered, transcript.prefill_echoed, _assistant)
         if reasoning:
             # llama-server goes on with the reasoning while the answer has no content yet,
             # else it renders the reasoning closed and goes on with the content.
             messages[-1]["reasoning_content"] = reasoning
         body["messages"] = messages
     return body
-
-
-def thought_field(delta: dict[str, Any]) -> str | None:
-    """Which of REASONING_FIELDS a delta carries reasoning in (None: none)."""
-    return next((name for name in REASONING_FIELDS if delta.get(name)), None)
 
 
 def _assistant(text: str) -> dict[str, Any]:
@@ -79,7 +73,7 @@ def cannot_continue(body: dict[str, Any], transcript: Transcript) -> str | None:
         return why
     if _prefill_message(body) is not None and prefill_of(body) is None:
         return "the client's assistant prefill is not plain text"
-    return None
+    return unknown_echo(transcript)
 
 
 def bound_by(body: dict[str, Any]) -> str | None:
@@ -118,9 +112,9 @@ class ChunkRewriter:
         self._echo = {"content": EchoStrip(prefill, echo)}
         self._thought = EchoStrip(transcript.reasoning_text, echo)
         self._reasoning_done = bool(transcript.reasoning and transcript.content)
-        # Reasoning goes on in the field the client has been reading it in (llama-server
-        # and vLLM name it differently).
-        self._field = transcript.reasoning_field
+        # Reasoning goes on in the fields the client has been reading it in (llama-server
+        # and vLLM name it differently; some vLLM builds write both).
+        self._fields = transcript.reasoning_fields
 
     def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None when nothing is left of it."""
@@ -142,7 +136,7 @@ class ChunkRewriter:
                     delta.pop("content", None)
             thought = self._thought_of(delta)
             if thought and not self._reasoning_done and (thought := self._thought(thought)):
-                delta[self._field or "reasoning_content"] = thought
+                delta.update(dict.fromkeys(self._fields or ("reasoning_content",), thought))
             if delta.get("content"):
                 delta["content"] = self._echo["content"](delta["content"])
                 if not delta["content"]:
@@ -157,13 +151,13 @@ class ChunkRewriter:
         return chunk if keep else None
 
     def _thought_of(self, delta: dict[str, Any]) -> str | None:
-        """The delta's reasoning, taken out of whichever field its server wrote it in."""
-        field = thought_field(delta)
-        if field is None:
+        """The delta's reasoning, taken out of every field its server wrote it in."""
+        fields = thought_fields(delta)
+        if not fields:
             return None
-        if self._field is None:
-            self._field = field
-        return delta.pop(field)
+        self._fields = self._fields or fields
+        thoughts = [delta.pop(field) for field in fields]
+        return thoughts[0]
 
     def _whole_answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Usage for the whole answer: every leg's completion tokens, and the prompt the

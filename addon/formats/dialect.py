@@ -207,18 +207,44 @@ def with_fewer_tokens(
 def prefilled(
     messages: list[Any],
     delivered: str,
+    echoed: bool | None,
     message: Callable[[str], Any],
     read: Callable[[Any], str | None] = text_of,
 ) -> list[Any]:
-    """`messages` with `delivered` as the assistant's answer so far: the client's own
-    assistant prefill (its content read by `read`), extended (servers that echo it sent it
-    back already), or a new assistant message made by `message`."""
+    """`messages` with the answer so far as the assistant's message: the client's own
+    assistant prefill (its content read by `read`, as the client sent it) followed by what
+    the model wrote after it (`delivered` less the prefill where the server sent it back
+    first, `echoed`), or a new assistant message made by `message`."""
     last = messages[-1] if messages else None
     if isinstance(last, dict) and last.get("role") == "assistant":
         earlier = read(last.get("content")) or ""
-        text = delivered if delivered.startswith(earlier) else earlier + delivered
+        text = earlier + after_echo(delivered, earlier, echoed)
         return [*messages[:-1], {**last, **message(text)}]
     return [*messages, message(delivered)]
+
+
+def after_echo(delivered: str, prefill: str, echoed: bool | None) -> str:
+    """What the model wrote after the client's `prefill`: the `delivered` text, less the
+    prefill where the server is known to have sent it back first (`echoed`; None: not
+    known, and such an answer is not continued: `unknown_echo`). Never decided from the
+    text: an answer may begin with the prefill's own words."""
+    if echoed is not True:
+        return delivered
+    if prefill.startswith(delivered):
+        return ""  # cut inside the echo: nothing written yet
+    return delivered.removeprefix(prefill)
+
+
+def unknown_echo(transcript: Transcript) -> str | None:
+    """Why an answer whose first server may have sent the client's prefill back first
+    cannot go on (None: it is known whether it did, or nothing was said)."""
+    if transcript.prefill_echoed is not None or not transcript.content:
+        return None
+    server = transcript.legs[0].server if transcript.legs else "the first server"
+    return (
+        f"whether {server} sent the client's assistant prefill back at the start of its "
+        "answer is not known, so what the model wrote after it is not known"
+    )
 
 
 def read_payloads(

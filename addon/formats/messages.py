@@ -27,6 +27,7 @@ from addon.formats.dialect import (
     Step,
     has_messages,
     prefilled,
+    unknown_echo,
     with_fewer_tokens,
 )
 from addon.formats.heldcalls import HeldCalls, messages_part
@@ -218,14 +219,15 @@ class Messages:
         assistant = isinstance(last, dict) and last.get("role") == "assistant"
         if assistant and text_of(last.get("content")) is None:
             return "the client's assistant prefill is not plain text"
-        return None
+        return unknown_echo(transcript)
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
         body = with_fewer_tokens(body, transcript.produced, ("max_tokens",))
         thought = transcript.reasoning_text
         if transcript.text or thought:
             message = lambda text: _assistant(text, thought)  # noqa: E731
-            body["messages"] = prefilled(body["messages"], transcript.text, message)
+            echoed = transcript.prefill_echoed
+            body["messages"] = prefilled(body["messages"], transcript.text, echoed, message)
         return body
 
     def leg_path(self, path: str, continuation: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from addon.formats.dialect import (
     json_object,
     prefilled,
     read_payloads,
+    unknown_echo,
 )
 from addon.formats.shape import loads, mapping, positive_int, text_of
 from addon.formats.sizes import bound
@@ -227,12 +228,13 @@ class Ollama:
         last = (body.get("messages") or [{}])[-1]
         if last.get("role") == "assistant" and text_of(last.get("content")) is None:
             return "the client's assistant prefill is not plain text"
-        return None
+        return unknown_echo(transcript)
 
     def continuation(self, body: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
         body = with_fewer_predicted(body, transcript.produced)
         if transcript.text:
-            body["messages"] = prefilled(body["messages"], transcript.text, _assistant)
+            echoed = transcript.prefill_echoed
+            body["messages"] = prefilled(body["messages"], transcript.text, echoed, _assistant)
         return body
 
     def leg_path(self, path: str, continuation: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ LOGPROBS_COUNTED = "logprobs+timings"
 # The client asked for logprobs: only the `timings` the addon asked with them are its own.
 TIMINGS = "timings"
 # Where a chat chunk's delta carries reasoning: llama-server's `reasoning_content`, and
-# vLLM's `reasoning` (its name since vLLM 0.32, the old one removed).
+# vLLM's `reasoning` (vLLM 0.32's only one; the builds between its rename and the old
+# name's removal, about 0.12 to 0.15, write both in each delta, the same text).
 REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
@@ -37,9 +38,14 @@ class Transcript:
     role_sent: bool = False
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)  # reasoning deltas
-    # The field the client reads reasoning in (REASONING_FIELDS: llama-server's, vLLM's).
-    reasoning_field: str | None = None
+    # The fields the client reads reasoning in (of REASONING_FIELDS: llama-server's,
+    # vLLM's, or both at once).
+    reasoning_fields: tuple[str, ...] = ()
     produced: int = 0  # tokens delivered: one per delta, or as their ids count them
+    # Whether the server that wrote the answer's first text sent the client's assistant
+    # prefill back at the start of it (known from the request and the engine, never
+    # from the text: handoff/seen.py); None where that is not known.
+    prefill_echoed: bool | None = False
     id: str | None = None
     created: int | None = None
     legs: list[LegUsage] = field(default_factory=list)
@@ -95,11 +101,19 @@ class Transcript:
                 self.reads.append((self.legs[-1].server, read, float(ms)))
 
     def begin_leg(
-        self, server: str, vocabulary: str | None = None, raw_pieces: bool = False
+        self,
+        server: str,
+        vocabulary: str | None = None,
+        raw_pieces: bool = False,
+        echoes: bool | None = False,
     ) -> None:
         """A leg from `server`, whose tokenizer is `vocabulary` (None: not known), and
         whose pieces, where it sends them, are its tokens' own bytes (`raw_pieces`:
-        llama-server's logprobs; vLLM's ids carry the parsed text)."""
+        llama-server's logprobs; vLLM's ids carry the parsed text); `echoes`: it sends
+        the client's prefill back first, where it is the first to write (the request
+        as the client sent it)."""
+        if not (self.content or self.reasoning):
+            self.prefill_echoed = echoes
         if self.legs and not raw_pieces:
             self.raw_whole = False
         self.legs.append(LegUsage(server))
@@ -179,12 +193,10 @@ class Transcript:
         self._recount(pieces, server_count(chunk) if made is None else made)
 
     def _thought(self, delta: dict[str, Any]) -> str | None:
-        """The delta's reasoning, in whichever field its server writes it."""
-        for name in REASONING_FIELDS:
-            if thought := delta.get(name):
-                self.reasoning_field = self.reasoning_field or name
-                return thought
-        return None
+        """The delta's reasoning, in whichever fields its server writes it (once)."""
+        fields = thought_fields(delta)
+        self.reasoning_fields = self.reasoning_fields or fields
+        return delta[fields[0]] if fields else None
 
     def _record_ids(
         self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int
@@ -263,6 +275,12 @@ def server_count(chunk: dict[str, Any]) -> int | None:
     timings = chunk.get("timings")
     made = timings.get("predicted_n") if isinstance(timings, dict) else None
     return made if isinstance(made, int) and not isinstance(made, bool) else None
+
+
+def thought_fields(delta: dict[str, Any]) -> tuple[str, ...]:
+    """The REASONING_FIELDS a delta carries reasoning in (a build that writes both
+    writes the same text in each)."""
+    return tuple(name for name in REASONING_FIELDS if delta.get(name))
 
 
 def _said(choice: dict[str, Any]) -> bool:
@@ -351,7 +369,8 @@ def _cut(text: str, key: str) -> str:
 
 def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
     delta = choice.get("delta") or {}
-    thought = "".join(delta.get(name) or "" for name in REASONING_FIELDS)
+    fields = thought_fields(delta)
+    thought = delta[fields[0]] if fields else ""
     text = thought + (delta.get("content") or choice.get("text") or "")
     pieces: list[Piece | None] = []
     for index, token in enumerate(token_ids):

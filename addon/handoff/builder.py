@@ -17,7 +17,9 @@ continuation goes on from the truth and from nothing else:
 - else not at all: CannotContinue, saying where the prompts part.
 
 A request that holds media (an image, audio) goes by none of the ways of ids or text:
-only a chat route carries its pictures to the next server (handoff/media.py).
+only a chat route carries its pictures to the next server (handoff/media.py). Every way
+but the ids has the engine read what the model wrote as text, with its special tokens
+parsed: each is asked first whether that text spells one (handoff/specials.py).
 
 Each engine's terms are one module (handoff/llama_server.py, vllm.py,
 llama_cpp_python.py); a new engine is one more.
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from addon.formats.dialect import Rewriter
+from addon.formats.dialect import Rewriter, after_echo
 from addon.formats.transcript import Transcript
 from addon.handoff import media, seen
 from addon.servers.prompts import NotRendered
@@ -67,6 +69,11 @@ class Terms(Protocol):
 
     async def truth(self, saw: Prompt, written: str) -> Prompt:
         """`saw` followed by `written` (what the model wrote). Raises NotRendered."""
+        ...
+
+    async def spelled(self, text: str) -> str | None:
+        """Why `text` (what the model wrote) cannot be read as text there: it spells one of
+        its special tokens, or it cannot say (handoff/specials.py). None: it can."""
         ...
 
     async def reads(self, chat: dict[str, Any]) -> Prompt | None:
@@ -139,6 +146,10 @@ async def _build(terms: Terms, answer: Answer, ids: list[int] | None) -> tuple[L
     if ids is not None and pictured is None and (leg := terms.ids_leg(saw, ids)) is not None:
         return leg, "token ids"
     wrote = seen.written(transcript, answer.prefill)
+    texts = (wrote.text,) if wrote.exact else (transcript.reasoning_text, wrote.text)
+    for text in texts:  # read as text from here on (the raw output holds the reasoning)
+        if (why := await terms.spelled(text)) is not None:
+            raise CannotContinue(why)
     if transcript.reasoning and not wrote.exact:
         return await _with_reasoning(terms, answer, saw), "text"
     if transcript.raw_lost:
@@ -177,7 +188,8 @@ async def _trailing_message(
         return why
     if (why := terms.parting(read, truth)) is None:
         return answer.chat_leg(answer.chat)
-    delivered = answer.transcript.text.removeprefix(answer.prefill)
+    transcript = answer.transcript
+    delivered = after_echo(transcript.text, answer.prefill, transcript.prefill_echoed)
     if wrote.exact and wrote.text != delivered:
         # The primary's parser changed the text (a leading space trimmed): the trailing
         # message may carry what the model wrote instead.
@@ -189,15 +201,16 @@ async def _trailing_message(
 
 async def _with_reasoning(terms: Terms, answer: Answer, saw: Prompt) -> Leg:
     """An answer with reasoning, whose markers the client never saw (the raw output is
-    not known byte for byte): only a chat route that renders the trailing message as the
-    truth prompt followed by the reasoning and the content goes on with it."""
+    not known byte for byte): only while the reasoning is open (after it closed, what
+    the model wrote around its closing tag is not known), and only where a chat route
+    renders the trailing message as the truth prompt followed by the reasoning."""
     read = await terms.reads(answer.chat)
     if read is None or read.text is None or saw.text is None:
         raise CannotContinue(
             f"{terms.url} cannot show how it renders this answer's reasoning, whose "
             "markers the client never saw"
         )
-    why = seen.reasoning_parting(read.text, saw.text, answer.transcript, answer.prefill)
+    why = seen.reasoning_parting(read.text, saw.text, answer.transcript)
     if why is not None:
         raise CannotContinue(f"{terms.url}: {why}")
     return answer.chat_leg(answer.chat)

@@ -14,7 +14,7 @@ from typing import Any
 from addon.formats.continuation import ChunkRewriter, token_limit
 from addon.formats.template import ChatTemplate, NoTemplate
 from addon.formats.transcript import Transcript
-from addon.handoff import seen
+from addon.handoff import seen, specials
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
 from addon.servers.prompts import NotRendered
@@ -28,14 +28,16 @@ class LlamaCppPythonTerms:
         original: dict[str, Any],
         continued: dict[str, Any],
         transcript: Transcript,
+        ask: specials.Ask,
     ) -> None:
         """`continued`: the chat continuation, whose settings (limits lowered) a text
-        completion takes."""
+        completion takes; `ask`: its own questions."""
         self.url = url
         self._template = template
         self._original = original
         self._continued = continued
         self._transcript = transcript
+        self._ask = ask
 
     async def saw(self) -> Prompt:
         messages = list(self._original["messages"])
@@ -46,6 +48,9 @@ class LlamaCppPythonTerms:
 
     async def truth(self, saw: Prompt, written: str) -> Prompt:
         return Prompt(text=(saw.text or "") + written)
+
+    async def spelled(self, text: str) -> str | None:
+        return await specials.refusal("llama-cpp-python", self._ask, self.url, None, text)
 
     async def reads(self, chat: dict[str, Any]) -> None:
         return None

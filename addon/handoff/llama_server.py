@@ -14,7 +14,6 @@ from addon.formats.transcript import Transcript
 from addon.handoff import placing, seen, specials
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.exact import NativeRewriter, NativeToChat, native_body
-from addon.servers.prompts import NotRendered
 
 Render = Callable[[dict[str, Any]], Awaitable[str]]  # a chat request -> its rendering
 
@@ -28,11 +27,12 @@ class LlamaServerTerms:
         transcript: Transcript,
         saw: Callable[[], Awaitable[str]],
         render: Render,
-        ask: specials.Ask | None = None,
+        ask: specials.Ask,
+        routed: bool = False,
     ) -> None:
         """`saw`: its rendering of `original` (asked once per answer); `render`: its
-        rendering of any chat request (both raise NotRendered); `ask`: its own questions
-        (None: a router, which is not asked whether text spells its special tokens)."""
+        rendering of any chat request (both raise NotRendered); `ask`: its own questions;
+        `routed`: a router, asked about `model`."""
         self.url = url
         self._model = model
         self._original = original
@@ -40,15 +40,17 @@ class LlamaServerTerms:
         self._saw = saw
         self._render = render
         self._ask = ask
+        self._routed = routed
 
     async def saw(self) -> Prompt:
         return Prompt(text=await self._saw())
 
     async def truth(self, saw: Prompt, written: str) -> Prompt:
-        """Raises NotRendered where what the model wrote spells a special token here."""
-        if self._ask is not None and (why := await specials.spelled(self._ask, self.url, written)):
-            raise NotRendered(why)
         return Prompt(text=(saw.text or "") + written)
+
+    async def spelled(self, text: str) -> str | None:
+        model = self._model if self._routed else None
+        return await specials.spelled(self._ask, self.url, text, model)
 
     async def reads(self, chat: dict[str, Any]) -> Prompt | None:
         return Prompt(text=await self._render(chat))

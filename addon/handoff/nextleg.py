@@ -11,7 +11,7 @@ from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILI
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
-from addon.handoff import media, translated, vllm, vocabids
+from addon.handoff import media, seen, specials, translated, vllm, vocabids
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
 from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
@@ -22,7 +22,7 @@ from addon.handoff.sampling import sampled_as_first, sampled_otherwise
 from addon.handoff.vllm import VllmTerms
 from addon.servers import vllm_routes
 from addon.servers.directory import ServerDirectory
-from addon.servers.engines import RENDERS_ON_ASKING
+from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
 from addon.servers.info import ServerInfo
 from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
@@ -134,6 +134,8 @@ class NextLeg:
             body["model"] = own
         if terms is None and replay and self._checked_as_chat(upstream):
             await self._check_as_chat(upstream, body)
+        elif terms is None and replay:
+            await self._check_spelled(upstream, body.get("model"))
         return path, body, rewriter, replay
 
     def _first_words_held(self, upstream: Upstream, rewriter: Rewriter, proof: str) -> Rewriter:
@@ -192,6 +194,20 @@ class NextLeg:
             "model wrote (its token ids) does not go on here"
         )
 
+    async def _check_spelled(self, upstream: Upstream, model: str | None) -> None:
+        """Raises CannotContinue where `upstream` may read what the model wrote, sent as
+        text, as one of its special tokens (handoff/specials.py)."""
+        servers, wrote = self._servers, seen.delivered_written(self.body, self.transcript)
+        info = servers.get(upstream) if servers else None
+        for text in (self.transcript.reasoning_text, wrote):
+            if servers is None or info is None or info.proof != "engine":  # routes hidden
+                why = specials.unaskable(upstream.url, text, "its engine's routes cannot be asked")
+            else:
+                ask = servers.asker(upstream)
+                why = await specials.refusal(info.engine, ask, upstream.url, model, text)
+            if why is not None:
+                raise CannotContinue(why)
+
     def _first_engine(self) -> str | None:
         """The engine of the server that wrote the answer's first leg."""
         if self._servers is None or not self.transcript.legs:
@@ -229,9 +245,9 @@ class NextLeg:
             return None  # its engine's routes did not prove it: they may be hidden
         if info.engine in RENDERS_ON_ASKING:
             render = lambda chat: servers.rendering(upstream, chat)  # noqa: E731
-            ask = servers.asker(upstream) if info.engine == "llama-server" else None
             saw = lambda: self._chat_prompt_or_why(upstream)  # noqa: E731
-            return LlamaServerTerms(url, info.model, self.body, self.transcript, saw, render, ask)
+            return LlamaServerTerms(url, info.model, self.body, self.transcript, saw, render,
+                                    servers.asker(upstream), info.engine == ROUTER)  # fmt: skip
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
             return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
@@ -239,7 +255,8 @@ class NextLeg:
                              self.asks_ids and self._first_engine() == vllm.ENGINE)  # fmt: skip
         if info.continues_by == RENDERED.name and (template := servers.templates.get(upstream)):
             continued = self._text_continuation(upstream)
-            return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript)
+            return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript,
+                                       servers.asker(upstream))  # fmt: skip
         return None
 
     def _chat_leg(self, upstream: Upstream, chat: dict[str, Any]) -> Leg:

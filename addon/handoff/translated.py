@@ -9,7 +9,7 @@ continuation. So, asked of the server at the moment of use:
 - its rendering (`/apply-template`) of the original request as a chat request, and of
   the continuation: the second must be the first followed by what the model wrote (with
   reasoning, whose markers the client never saw: the reasoning and the content after
-  the first, as a chat answer's is held to);
+  the first, as a chat answer's is held to: only while the reasoning is open);
 - its own count of the continuation's prompt on the API's route (`/v1/messages/
   count_tokens`, `/v1/responses/input_tokens`) against its count of that rendering:
   where they differ, the translation is not the server's, and nothing is relied on;
@@ -48,7 +48,7 @@ async def check(
 ) -> None:
     """Raises CannotContinue where the llama-server at `url` would not read `continued`
     (the `dialect`'s continuation, as it will be sent) as exactly what the model saw and
-    wrote for `original`; `router`: a router, which is not asked about special tokens."""
+    wrote for `original`; `router`: a router, asked about the continuation's model."""
     try:
         why = await _parting(dialect, url, render, ask, original, continued, transcript, router)
     except (NotTranslated, NotRendered) as exc:
@@ -73,11 +73,12 @@ async def _parting(
     saw, read = await render(saw_chat), await render(read_chat)
     wrote = seen.written(transcript, prefill).text
     if transcript.reasoning:
-        why = seen.reasoning_parting(read, saw, transcript, prefill)
+        why = seen.reasoning_parting(read, saw, transcript)
     else:
         why = seen.parting(read, saw + wrote)
-    for text in (transcript.reasoning_text, wrote) if why is None and not router else ():
-        why = why or await specials.spelled(ask, url, text)
+    model = continued.get("model") if router else None
+    for text in (transcript.reasoning_text, wrote) if why is None else ():
+        why = why or await specials.spelled(ask, url, text, model)
     return why or await _counted_otherwise(dialect, url, ask, continued, read)
 
 

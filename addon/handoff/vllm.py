@@ -22,6 +22,7 @@ from typing import Any
 from addon.formats.continuation import ChunkRewriter, token_limit
 from addon.formats.rendering import parting_at
 from addon.formats.transcript import Transcript
+from addon.handoff import specials
 from addon.handoff.builder import Leg, Prompt
 from addon.handoff.rendered import PATH, CompletionRewriter, logprobs_asked, text_completion
 from addon.handoff.vllm_generate import Derendered, generate_body
@@ -99,7 +100,9 @@ class VllmTerms:
                 f"{self.url}'s /tokenize does not render {' or '.join(unrendered)} as its chat "
                 "route does (its render route would: vLLM 0.32 and later, --enable-scale-out)"
             )
-        opened = {**self._original, "add_generation_prompt": True}
+        # As its chat route read the request: the generation prompt on unless it said
+        # otherwise (a client prefill asks `continue_final_message` without it).
+        opened = {"add_generation_prompt": True, **self._original}
         return Prompt(ids=tuple(await self._chat_ids(opened)))
 
     async def truth(self, saw: Prompt, written: str) -> Prompt:
@@ -113,6 +116,10 @@ class VllmTerms:
                 "as the same token ids: it cannot be continued by text there"
             )
         return Prompt(text=text + written, ids=tuple(await self._text_ids(text + written)))
+
+    async def spelled(self, text: str) -> str | None:
+        """Its `/tokenize` reads every added token in a text: asked which it has."""
+        return await specials.refusal(ENGINE, self._ask, self.url, self._named.get("model"), text)
 
     async def reads(self, chat: dict[str, Any]) -> Prompt:
         return Prompt(ids=tuple(await self._chat_ids(chat)))

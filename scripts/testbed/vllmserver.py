@@ -158,6 +158,9 @@ class VllmServer(ManagedProcess):
             # Lets a test render with any template in a request (tests/test_vllm.py runs
             # every template llama.cpp ships through one server).
             "--trust-request-chat-template",
+            # Its tokenizer's added tokens, which the addon asks before it sends text there
+            # (addon/handoff/specials.py).
+            "--enable-tokenizer-info-endpoint",
             *self.extra_args,
         ]  # fmt: skip
 
