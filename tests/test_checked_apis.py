@@ -6,7 +6,7 @@ Real llama-servers, one of them serving Qwen3's real chat template (llama.cpp's 
 `--jinja --chat-template-file`), whose trailing assistant message opens an empty
 reasoning block the model never wrote (`<think>\\n\\n</think>`): the start-up proof finds
 that its trailing message is not rendered as the model saw it. Put first on the ladder,
-it is passed by with that reason, and the next server, whose template renders it as
+it is passed by before the cut, with that reason, and the next server, whose template renders it as
 the model saw it, goes on exactly as its own continuation computed directly; alone, the
 answer ends with the dialect's own in-band error saying where the prompts part. Before
 the check, Qwen3's server took both answers and went on from a prompt the model never
@@ -80,14 +80,15 @@ def test_qwen3s_trailing_message_is_found_otherwise_at_start_up(proxy, ladder) -
 
 
 def assert_passed_by(proxy: Mitmdump, ladder: tuple[LlamaServer, ...]) -> None:
-    """The cut went to Qwen3's server, which was passed by, saying why, for the next."""
+    """The one cut went to the plain server: Qwen3's, first below, was asked and passed
+    by before it (answer/decide.py), and the handoff says why."""
     primary, qwen3, plain = ladder
-    asked, passed = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"][-2:]
-    assert (asked["source"], asked["target"]) == (primary.url, qwen3.url), asked
-    assert (passed["source"], passed["target"]) == (qwen3.url, plain.url), passed
-    assert passed["at_char"] == asked["at_char"] and passed["replay"] == "text"
-    assert passed["reason"].startswith(f"{qwen3.url}: at character"), passed
-    assert PARTED in passed["reason"] and "the model saw" in passed["reason"]
+    handoff = httpx.get(f"{proxy.url}/spillover/status").json()["recent_handoffs"][-1]
+    assert (handoff["source"], handoff["target"]) == (primary.url, plain.url), handoff
+    assert handoff["replay"] == "text" and handoff["kind"] == "requested", handoff
+    passed = handoff["passed_by"]
+    assert passed.startswith(f"{qwen3.url}: at character"), passed
+    assert PARTED in passed and "the model saw" in passed
 
 
 def test_a_messages_answer_passes_qwen3_by_and_goes_on_exactly(proxy, ladder) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from addon.answer.declines import Declines
 from addon.answer.pace import FirstEvents, PaceLimits
 from addon.formats.continuers import OWN_RENDERING, TRAILING_MESSAGE
 from addon.handoff import translated
@@ -48,6 +49,7 @@ class Fleet:
         self.first_events = FirstEvents()  # how long each server takes to its first event
         self.retry_server_errors = True  # a primary's 5xx is asked once more (answer/early.py)
         self.busy_wait_s = 3.0  # a busy primary's Retry-After waited out up to this
+        self.declines = Declines()  # handoffs not made: no server could go on with the answer
 
     def question_headers(self, url: str) -> dict[str, str]:
         return self.credentials.question_headers(url)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from addon.answer.decide import Decision
 from addon.answer.early import EarlyRefusals
 from addon.answer.fleet import Fleet, Route
 from addon.answer.ladder import Ladder
@@ -97,6 +98,8 @@ class Splice:
         self._pace: Pace | None = None  # the current leg's
         self._early = EarlyRefusals(fleet, self.ladder, self._rungs)
         self._resume = Resume(fleet, self._next, answer, self.primary, self._admits)
+        spaced = lambda: self._spaced  # noqa: E731
+        self._decision = Decision(self._next, self.ladder, self._admits, spaced, fleet, answer)
 
     def _admits(self, server: Upstream) -> bool:
         """Whether the answer may go on on `server` now: the client may be served there
@@ -134,29 +137,26 @@ class Splice:
         self, reason: str, kind: str = "requested", targets: list[int] | None = None
     ) -> asyncio.Future[bool] | None:
         """Ask to move the answer to the first of `targets` (default: the servers below)
-        with room for it. None with nothing to move (the answer is complete, moving, or
-        has all its tokens), nowhere to go, or no server that could continue it
-        faithfully; else a future that says whether it moved. Where that server surely
-        has room the leg is cut at once; otherwise it goes on while servers are asked."""
-        if not self.can_cut or self._moving:
+        that may go on with it and has room (answer/decide.py). None with nothing to move
+        (complete, moving, all its tokens) or nowhere it may go (it stays, saying why);
+        else a future that says whether it moved, cut at once where nothing is asked."""
+        if not self.can_cut or self._moving or self._decision.quiet(kind):
             return None
         self.transcript.settle()
-        # Every move passes the one admission check (a hand-back names its target itself).
-        below = self._rungs.below() if targets is None else targets
-        targets = [t for t in below if self._admits(self.ladder[t])]
-        if not targets:
-            return None
-        spent = self._spent() is not None
-        if spent or self.dialect.cannot_continue(self.body, self.transcript) is not None:
+        if self._spent() is not None:
             return None
         decided = time.monotonic()
-        if self._next.fits_without_asking(self.ladder[targets[0]]):
-            self._cut(reason, kind, decided, targets[0])  # at once: the usual case
+        passed = self._decision.known(self._rungs.below() if targets is None else targets)
+        if not passed:
+            self._decision.declined(kind, self.current.url)
+            return None
+        if self._decision.at_once(passed[0]):
+            self._cut(reason, kind, decided, passed[0])  # at once: nothing to ask
             moved = asyncio.get_running_loop().create_future()
             moved.set_result(True)
             return moved
         self._moving = True
-        return asyncio.ensure_future(self._move(reason, kind, decided, targets))
+        return asyncio.ensure_future(self._move(reason, kind, decided, passed))
 
     def hand_back(self, min_left: int) -> asyncio.Future[bool] | None:
         """Move the answer back to the primary (whose state the caller has checked),
@@ -173,19 +173,16 @@ class Splice:
             return None
         return self.handoff(f"{self.primary.url} is clear again", "handback", [home])
 
-    async def _move(self, reason: str, kind: str, decided: float, below: list[int]) -> bool:
-        """Ask the servers below whether the rest fits, while the current leg goes on."""
+    async def _move(self, reason: str, kind: str, decided: float, targets: list[int]) -> bool:
+        """Ask the `targets` whether they may go on and have room, while the leg goes on."""
         leg = self._leg_task
         try:
-            target = None
-            for index in below:
-                # Admitted again once its room is known: text may have gone out meanwhile.
-                if await self._next.fits(self.ladder[index]) and self._admits(self.ladder[index]):
-                    target = index
-                    break
-            moved_on = leg is not self._leg_task or not self.can_cut or self._spent() is not None
-            if target is None or moved_on:
-                return False  # nowhere with room, or it ended, moved or wrote its last token
+            target = await self._decision.asked(targets)
+            if leg is not self._leg_task or not self.can_cut or self._spent() is not None:
+                return False  # the answer ended, moved or wrote its last token meanwhile
+            if target is None:
+                self._decision.declined(kind, self.current.url)
+                return False
             self._cut(reason, kind, decided, target)
             return True
         finally:
@@ -310,6 +307,7 @@ class Splice:
             at_char=len(self.transcript.text),
             decided=decided,
             kind=kind,
+            passed_by=self._decision.passed_by(target),
         )
         self.handoffs.append(handoff)
         self._fleet.shadows.handed_off(self._answer)

@@ -7,34 +7,24 @@ from collections.abc import Callable
 from typing import Any
 
 from addon.formats.continuation import prefill_of
-from addon.formats.continuers import CONTINUERS, OWN_RENDERING, RENDERED, TRAILING_MESSAGE
+from addon.formats.continuers import CONTINUERS, RENDERED
 from addon.formats.dialect import Dialect, Rewriter
 from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
-from addon.handoff import media, seen, specials, translated, vllm, vocabids
+from addon.handoff import known, media, seen, specials, translated, vllm
 from addon.handoff.builder import UNSEEN, Answer, CannotContinue, Leg, Terms, build
 from addon.handoff.exact import NativeRewriter, asking_for_ids, may_ask_for_ids
+from addon.handoff.known import UNPROVEN, parses
 from addon.handoff.llama_cpp_python import LlamaCppPythonTerms
 from addon.handoff.llama_server import LlamaServerTerms
 from addon.handoff.record import Handoff, seeded_sampling
 from addon.handoff.renderings import Renderings
-from addon.handoff.sampling import sampled_as_first, sampled_otherwise
+from addon.handoff.sampling import sampled_as_first
 from addon.handoff.vllm import VllmTerms
-from addon.servers import vllm_routes
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
-from addon.servers.info import ServerInfo
 from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
-
-LLAMA_SERVER_WAYS = (TRAILING_MESSAGE.name, OWN_RENDERING.name)
-UNPROVEN = {"behaviour": "proven by its behaviour only", "declared": "declared, not proven"}
-
-
-def parses(info: ServerInfo | None) -> bool:
-    """Whether the server reads a prompt of ids with its own chat parsers (vLLM's own
-    routes): reasoning and tool calls then go on there from the truth itself."""
-    return info is not None and info.own_routes == vllm_routes.ON
 
 
 def rerouted(body: dict[str, Any], raw_body: bytes, model: str | None) -> bytes:
@@ -107,13 +97,8 @@ class NextLeg:
         stands: built from what the model saw and wrote where `upstream`'s engine can say
         what it reads (handoff/builder.py), else the dialect's continuation, the way the
         server was proven to take one at start-up. Raises CannotContinue."""
-        if (why := self._unproven_for_reasoning(upstream)) is not None:
+        if (why := self.refusal(upstream)) is not None:
             raise CannotContinue(why)
-        if (why := self._foreign_ids(upstream)) is not None:
-            raise CannotContinue(why)
-        why = sampled_otherwise(self._servers, self.body, self.transcript, upstream)
-        if (why := why or self._parsed_only(upstream)) is not None:
-            raise CannotContinue(f"{upstream.url}: {why}")
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
                 self.transcript, prefill_of(self.body) or "", self._text_continuation(upstream),
@@ -121,13 +106,7 @@ class NextLeg:
             )  # fmt: skip
             (path, body, rewriter), replay = await build(terms, answer, self._exact_ids(upstream))
         else:
-            if self.transcript.content and self.transcript.raw_lost:
-                raise CannotContinue(UNSEEN.format(self.transcript.unseen))
-            path, body, rewriter = self._chat_leg(upstream, self._text_continuation(upstream))
-            replay = "text" if self.transcript.content or self.transcript.reasoning else None
-            if replay and (proof := self._unproven(upstream)) is not None:
-                replay += f", {UNPROVEN[proof]}"
-                rewriter = self._first_words_held(upstream, rewriter, proof)
+            path, body, rewriter, replay = self._dialect_leg(upstream)
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
         body = sampled_as_first(self._servers, self.body, body, self.transcript, upstream)
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
@@ -136,6 +115,42 @@ class NextLeg:
             await self._check_as_chat(upstream, body)
         elif terms is None and replay:
             await self._check_spelled(upstream, body.get("model"))
+        return path, body, rewriter, replay
+
+    def refusal(self, upstream: Upstream) -> str | None:
+        """Why `upstream` may not go on with this answer as it stands, known without
+        asking it (handoff/known.py); None where nothing known turns it away."""
+        if self._servers is None:
+            return None
+        exact = self._exact_ids(upstream) is not None
+        return known.refusal(self._servers, self.body, self.transcript, upstream, exact)
+
+    @property
+    def said(self) -> bool:
+        """Whether the answer has sent anything: its continuation is then built from it,
+        asking the next server what it reads where it can say, and whether that server
+        may go on is known only once it is built (`asked_refusal`)."""
+        return bool(self.transcript.content or self.transcript.reasoning)
+
+    async def asked_refusal(self, upstream: Upstream) -> str | None:
+        """Why `upstream` may not go on with this answer as it stands: its continuation
+        built, the server asked what it must be asked (None: it may)."""
+        try:
+            await self.continuation(upstream)
+        except CannotContinue as why:
+            return str(why)
+        return None
+
+    def _dialect_leg(self, upstream: Upstream) -> tuple[str, dict[str, Any], Rewriter, str | None]:
+        """The dialect's continuation on `upstream`, whose engine cannot say what it reads,
+        and how it replays. Raises CannotContinue."""
+        if self.transcript.content and self.transcript.raw_lost:
+            raise CannotContinue(UNSEEN.format(self.transcript.unseen))
+        path, body, rewriter = self._chat_leg(upstream, self._text_continuation(upstream))
+        replay = "text" if self.transcript.content or self.transcript.reasoning else None
+        if replay and (proof := self._unproven(upstream)) is not None:
+            replay += f", {UNPROVEN[proof]}"
+            rewriter = self._first_words_held(upstream, rewriter, proof)
         return path, body, rewriter, replay
 
     def _first_words_held(self, upstream: Upstream, rewriter: Rewriter, proof: str) -> Rewriter:
@@ -174,26 +189,6 @@ class NextLeg:
             router=servers.get(upstream).engine != "llama-server",
         )  # fmt: skip
 
-    def _parsed_only(self, upstream: Upstream) -> str | None:
-        """Why a vLLM primary's answer, which its parsers may have changed (tools were
-        offered, or it reasoned: a marker hidden, whitespace trimmed), cannot go on on
-        `upstream`: what its model wrote is known there only as its ids, and `upstream`
-        does not go on from them."""
-        if self._first_engine() != vllm.ENGINE or self._exact_ids(upstream) is not None:
-            return None
-        if self.transcript.raw_output() is not None:
-            return None  # known byte for byte all the same
-        if self.body.get("tools"):
-            parser = "tool-call parser (tools were offered)"
-        elif self.transcript.reasoning:
-            parser = "reasoning parser"
-        else:
-            return None
-        return (
-            f"the answer so far is known only as vLLM's {parser} showed it, and what its "
-            "model wrote (its token ids) does not go on here"
-        )
-
     async def _check_spelled(self, upstream: Upstream, model: str | None) -> None:
         """Raises CannotContinue where `upstream` may read what the model wrote, sent as
         text, as one of its special tokens (handoff/specials.py)."""
@@ -214,20 +209,10 @@ class NextLeg:
             return None
         return self._servers.get(Upstream(self.transcript.legs[0].server)).engine
 
-    def _foreign_ids(self, upstream: Upstream) -> str | None:
-        """Why `upstream` would read the request's token ids as other tokens
-        (handoff/vocabids.py); None where it would not."""
-        if self._servers is None or not self.transcript.legs:
-            return None
-        first = Upstream(self.transcript.legs[0].server)
-        same = self._servers.same_tokenizer(first, upstream)
-        return vocabids.foreign(self.body, first.url, upstream.url, same)
-
     def _unproven(self, upstream: Upstream) -> str | None:
         """How `upstream` is known to continue where its engine cannot say what it reads
         ("behaviour" or "declared"); None where it can."""
-        proof = self._servers.get(upstream).proof if self._servers else None
-        return proof if proof in UNPROVEN else None
+        return known.unproven(self._servers.get(upstream)) if self._servers else None
 
     def _terms(self, upstream: Upstream) -> Terms | None:
         """`upstream`'s engine's terms for what its model reads, where it can say them
@@ -280,26 +265,6 @@ class NextLeg:
         engines = (servers.get(first).engine, servers.get(upstream).engine)
         on_llama = all(engine in RENDERS_ON_ASKING for engine in engines)
         return on_llama and may_ask_for_ids(self.body)
-
-    def _unproven_for_reasoning(self, upstream: Upstream) -> str | None:
-        """Why `upstream` may not go on with this answer's reasoning: its way of continuing
-        was proven on a plain answer, and only llama-server's chat route is known to go on
-        with a reasoning one (tests/test_reasoning.py), checked for each answer."""
-        info = self._servers.get(upstream) if self._servers else None
-        way = info.continues_by if info else None
-        if not self.transcript.reasoning or way is None:
-            return None
-        if (proof := self._unproven(upstream)) is not None:
-            return (
-                f"{upstream.url} is {UNPROVEN[proof]}, on plain answers: where this answer's "
-                "reasoning goes there is not known"
-            )
-        if way in LLAMA_SERVER_WAYS or parses(info):
-            return None
-        return (
-            f"{upstream.url} continues by {way}, seen to go on with plain answers only: "
-            "where this answer's reasoning goes there is not known"
-        )
 
     def _text_continuation(self, upstream: Upstream) -> dict[str, Any]:
         """The continuation from the answer's text, asked the way `upstream` continues a

@@ -79,6 +79,7 @@ class Handoff:
     crossed_ms: float | None = None
     detected_within_ms: float | None = None
     migration: Moved | None = None  # with spillover_slot_dir: moved, or why not
+    passed_by: str | None = None  # why servers before the target may not continue it
 
     def sensed(self, sensed: Sensed) -> None:
         self.crossed_ms = round((self.decided - sensed.crossed) * 1000, 2)
@@ -101,6 +102,7 @@ class Handoff:
             if moved.reused is not None:
                 replay += f" (the continuation reused {moved.reused} tokens, read {moved.read})"
         caveat = f"; {self.caveat}" if self.caveat else ""
+        caveat += f"; passed by: {self.passed_by}" if self.passed_by else ""
         if self.detected_within_ms is not None:
             reason = f"{self.reason}, seen within {self.detected_within_ms:.0f} ms"
         else:

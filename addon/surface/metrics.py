@@ -104,6 +104,14 @@ class Metrics:
         for kind, count in (routing.get("refusals") or {}).items():
             refusals.add_metric([kind], count)
         yield refusals
+        declined = CounterMetricFamily(
+            "spillover_handoffs_declined",
+            "Handoffs not made because no server could go on with the answer, by kind.",
+            labels=["kind"],
+        )
+        for kind, count in ((status.get("declined_handoffs") or {}).get("counts") or {}).items():
+            declined.add_metric([kind], count)
+        yield declined
         spent = CounterMetricFamily(
             "spillover_server_state_seconds",
             "Time each server has spent in each routing state.",

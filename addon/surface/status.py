@@ -52,6 +52,8 @@ def assemble_status(
             for flow_id, splice in live.items()
         ],
         "recent_handoffs": list(recent_handoffs),
+        # Handoffs not made because no server could go on with the answer (answer/decide.py).
+        "declined_handoffs": fleet.declines.status(),
         "shadows": fleet.shadows.budget.status(),
         "migration": fleet.migrator.status(),
         **{name: part() for name, part in parts.items()},
