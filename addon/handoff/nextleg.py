@@ -218,8 +218,8 @@ class NextLeg:
         """`upstream`'s engine's terms for what its model reads, where it can say them
         and the answer has sent something to go on from (a chat answer: the other APIs'
         continuations go as their own dialects make them); None otherwise."""
-        servers = self._servers
-        if servers is None or self.dialect.name != "chat":
+        servers, renderings = self._servers, self.renderings
+        if servers is None or renderings is None or self.dialect.name != "chat":
             return None
         if not isinstance(self.body.get("messages"), list):
             return None
@@ -235,9 +235,10 @@ class NextLeg:
                                     servers.asker(upstream), info.engine == ROUTER)  # fmt: skip
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
+            ids = self.asks_ids and self._first_engine() == vllm.ENGINE
+            dated = lambda: renderings.dated(upstream)  # noqa: E731
             return VllmTerms(url, servers.asker(upstream), model, self.body, self.transcript,
-                             info.slot_context, parses(info),
-                             self.asks_ids and self._first_engine() == vllm.ENGINE)  # fmt: skip
+                             info.slot_context, parses(info), ids, dated)  # fmt: skip
         if info.continues_by == RENDERED.name and (template := servers.templates.get(upstream)):
             continued = self._text_continuation(upstream)
             return LlamaCppPythonTerms(url, template, self.body, continued, self.transcript,

@@ -8,8 +8,11 @@ Granite 3.3, Mistral Small 3.2) renders the same request differently on another 
 in another time zone. A continuation asked at the handoff would put the next server's
 date where the model read its own: across midnight, or on a server whose clock keeps
 another zone, the prompt is not what the model saw. So where the first server's template
-prints the date, its rendering is asked as the answer starts, and a server of the same
-template goes on from that rendering instead of its own.
+prints the date, its rendering is asked as the answer starts (a llama-server's text, a
+vLLM's ids as text), and a server of the same template goes on from that rendering
+instead of its own (a vLLM from its ids of that text). Where that rendering could not be
+had, the date the model read is not known: such a server is refused, saying so, rather
+than let it print its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from addon.handoff import vllm
 from addon.servers.directory import ServerDirectory
 from addon.servers.prompts import NotRendered
 from addon.servers.upstream import Upstream
@@ -27,33 +31,51 @@ class Renderings:
         self._servers = servers
         self._body = body
         self._asked: dict[tuple[str, str | None], str] = {}  # (server, what it runs) -> it
-        self._dated: tuple[str, asyncio.Future[str]] | None = None  # (template, rendering)
+        # The first server's template and its rendering as the answer began.
+        self._dated: tuple[Upstream, str, asyncio.Future[str]] | None = None
 
     def keep_the_date(self, first: Upstream) -> None:
         """Ask `first` for its rendering now where its template prints the date."""
         template = self._servers.get(first).dated_template
         if template is not None and isinstance(self._body.get("messages"), list):
-            asked = asyncio.ensure_future(self._servers.rendering(first, self._body))
+            asked = asyncio.ensure_future(self._rendering(first))
             # Never awaited where no handoff comes: its failure is not worth a log line.
             asked.add_done_callback(lambda done: done.cancelled() or done.exception())
-            self._dated = (template, asked)
+            self._dated = (first, template, asked)
 
     async def of(self, upstream: Upstream) -> str:
-        """The request's prompt as the model would read it on `upstream`. Raises
-        NotRendered."""
+        """The request's prompt as the model would read it on `upstream` (a llama-server).
+        Raises NotRendered."""
         info = self._servers.get(upstream)
         key = (upstream.url, info.identity)
         if key not in self._asked:
-            saw = await self._as_dated(info.dated_template)
+            saw = await self.dated(upstream)
             self._asked[key] = saw or await self._servers.rendering(upstream, self._body)
         return self._asked[key]
 
-    async def _as_dated(self, template: str | None) -> str | None:
-        """The first server's rendering as the answer began, for a server whose template
-        is the same one that prints the date."""
-        if self._dated is None or template != self._dated[0]:
+    async def dated(self, upstream: Upstream) -> str | None:
+        """The first server's rendering as the answer began, for `upstream` whose template
+        is the same one, which prints the date (None: it is not). Raises NotRendered where
+        that rendering could not be had: `upstream` would print its own date, which need
+        not be the one the model read."""
+        if self._dated is None or self._servers.get(upstream).dated_template != self._dated[1]:
             return None
+        first, _, asked = self._dated
         try:
-            return await self._dated[1]
-        except NotRendered:
-            return None
+            if asked.cancelled():
+                raise NotRendered("it was not asked to the end")
+            return await asked
+        except NotRendered as why:
+            raise NotRendered(
+                f"{first.url}'s chat template prints the date, and its rendering as the answer "
+                f"began could not be had ({why}): the date the model read is not known, and "
+                f"{upstream.url} would print its own"
+            ) from None
+
+    async def _rendering(self, server: Upstream) -> str:
+        """`server`'s rendering of the request, as text. Raises NotRendered."""
+        servers = self._servers
+        if servers.get(server).engine != vllm.ENGINE:
+            return await servers.rendering(server, self._body)
+        model = servers.own_model(server, self._body.get("model")) or self._body.get("model")
+        return await vllm.rendered_text(servers.asker(server), server.url, model, self._body)

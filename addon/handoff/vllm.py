@@ -17,6 +17,7 @@ while its ids go out: the transcript treats ids whose text has not arrived as un
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from addon.formats.continuation import ChunkRewriter, token_limit
@@ -75,12 +76,15 @@ class VllmTerms:
         context: int | None,
         routes: bool = False,
         ids: bool = False,
+        dated: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         """`model`: the name it serves its model by; `context`: its tokens per request,
         where known (a text completion is not sent without it); `routes`: it serves its
         own render, generate and derender routes (servers/vllm_routes.py); `ids`: the
         answer's chunks carry their token ids (taken out again where the client did not
-        ask), which a leg through those routes then asks its derender for too."""
+        ask), which a leg through those routes then asks its derender for too; `dated`:
+        the first server's rendering as the answer began, where its template is this
+        one's and prints the date (handoff/renderings.py), which it goes on from."""
         self.url = url
         self._ask = ask
         self._named = {"model": model} if model else {}
@@ -90,11 +94,17 @@ class VllmTerms:
         # Its render of the original request, where it serves its own routes (else None).
         self._rendered: dict[str, Any] | None = {} if routes else None
         self._ids = {"return_token_ids": True} if ids else {}
+        self._dated = dated
 
     async def saw(self) -> Prompt:
+        dated = await self._dated() if self._dated is not None else None
         if self._rendered is not None:
             self._rendered = await self._asked(RENDER, {**self._original, **self._named})
+            if dated is not None:  # the day the model read, not this server's own
+                self._rendered["token_ids"] = await self._text_ids(dated)
             return Prompt(ids=tuple(_ids(self._rendered, "token_ids")))
+        if dated is not None:
+            return Prompt(ids=tuple(await self._text_ids(dated)))
         if unrendered := [name for name in NOT_TOKENIZED if self._original.get(name)]:
             raise NotRendered(
                 f"{self.url}'s /tokenize does not render {' or '.join(unrendered)} as its chat "
@@ -177,6 +187,13 @@ class VllmTerms:
 
     async def _asked(self, path: str, body: dict[str, Any]) -> Any:
         return await rendered(self._ask, self.url, path, body)
+
+
+async def rendered_text(ask: Ask, url: str, model: str | None, body: dict[str, Any]) -> str:
+    """A vLLM's rendering of a chat request as text: its ids of it, their text, checked to
+    read back as the same ids. Raises NotRendered."""
+    terms = VllmTerms(url, ask, model, body, Transcript(), None)
+    return (await terms.truth(await terms.saw(), "")).text or ""
 
 
 def _ids(answer: Any, name: str = "tokens") -> list[int]:

@@ -235,8 +235,11 @@ class ServerDirectory(PromptQuestions):
                 unanswered(upstream, info, "/props", exc)
         models = await self._answer(info, upstream, "/v1/models")
         info.identity = identity_of(props, models)
-        info.dated_template = dated_template(props)
         info.engine, info.models = engines.identify(props, models), engines.model_ids(models)
+        templated = props
+        if info.engine == "vllm":  # its template, where it serves it (/tokenizer_info)
+            templated = await self._answer(info, upstream, "/tokenizer_info")
+        info.dated_template = dated_template(templated)
         info.model = self._named.get(upstream.url) or (info.models[0] if info.models else None)
         if info.slot_context is None and (length := engines.context_length(models)):
             info.slot_context = length

@@ -40,12 +40,15 @@ DATE_CALLS = ("strftime_now",)  # what llama.cpp's and vLLM's templates call for
 
 
 def dated_template(props: Any) -> str | None:
-    """The digest of a llama-server's chat template (its `/props`) where that template
-    prints the date (handoff/renderings.py); None where it does not, or is not said."""
+    """The digest of a server's chat template (a llama-server's `/props`, a vLLM's
+    `/tokenizer_info`) where that template prints the date (handoff/renderings.py); None
+    where it does not, or is not said."""
     template = mapping(props).get("chat_template")
     if not isinstance(template, str) or not any(call in template for call in DATE_CALLS):
         return None
-    return _digest(template)
+    # Jinja drops a template's last newline, which llama-server strips as it loads one
+    # and vLLM keeps: the same file renders the same on both.
+    return _digest(template.removesuffix("\n"))
 
 
 def _digest(text: str) -> str:

@@ -21,6 +21,7 @@ NEEDED_FOR = {
     "/v1/models": "knowing its model and tokenizer (token-exact replay)",
     "/tokenize": "token-exact replay (its tokenizer is unknown)",
     "/v1/chat/completions": "knowing whether it echoes a prefill (decided from its answer)",
+    "/tokenizer_info": "keeping the date its chat template may print (the template is not known)",
 }
 
 
