@@ -39,6 +39,7 @@ from scripts.testbed.vllmserver import (
     hf_copy,
 )
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
+from tests.test_decided_handoffs import declined
 
 pytestmark = pytest.mark.timeout(420)
 LONG = 300
@@ -298,7 +299,8 @@ def test_a_penalty_vllm_would_start_over_is_not_carried(
     start_proxy, thinking_vllm: str, twin: str
 ) -> None:
     """vLLM counts presence_penalty over the tokens it generated itself: a continuation
-    would start it over, so the answer ends in-band saying so."""
+    would start it over, so the handoff is declined before the cut, saying so, and the
+    answer stays whole on the first vLLM."""
     proxy = start_proxy(thinking_vllm, [twin])
     proxy.servers_known()
     body = chat_body(LONG, model=SERVED_NAME, presence_penalty=0.5)
@@ -306,8 +308,10 @@ def test_a_penalty_vllm_would_start_over_is_not_carried(
         proxy.url, body, timeout=300,
         on_chunk=lambda n: n == 10 and httpx.post(f"{proxy.url}/spillover/handoff"),
     )  # fmt: skip
-    said = " ".join(stream.notes) + str(stream.errors)
-    assert "presence_penalty" in said and "start over" in said
+    assert_one_clean_stream(stream)
+    assert stream.notes == [], "it stayed"
+    (said,) = declined(proxy)["recent"]
+    assert "presence_penalty would start over" in str(said)
 
 
 # A tool whose one argument is an enum: `tool_choice: "required"` (a JSON schema vLLM
