@@ -162,6 +162,9 @@ class StandIn:
     async def truth(self, saw: Prompt, written: str) -> Prompt:
         return Prompt(text=(saw.text or "") + written)
 
+    async def spelled(self, text: str) -> str | None:
+        return None
+
     async def reads(self, chat: dict[str, Any]) -> Prompt:
         return Prompt(text="<truth>" if self._reads_truth else "<other>")
 

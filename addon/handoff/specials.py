@@ -27,6 +27,7 @@ from typing import Any
 from addon.servers.engines import RENDERS_ON_ASKING
 
 Ask = Callable[[str, Any], Awaitable[Any]]  # a question to one server: path, body -> JSON
+READ_BACK_LEAD = "x"
 # What every special token of the vocabularies here is written with (<|im_end|>, </s>,
 # [INST], >>TITLE<<, DeepSeek's full-width bars): a text without any of it spells none.
 MAY_SPELL = re.compile("[<>\\[\\]|\uff5c]")
@@ -101,13 +102,17 @@ async def _vllm_spelled(ask: Ask, url: str, text: str, model: str | None) -> str
 
 
 async def _read_back(ask: Ask, url: str, text: str, model: str | None) -> str | None:
+    # Led by a letter: where its tokenizer adds a BOS, its detokenize drops a space right
+    # after it (llama-cpp-python's own rule), and the text may begin with one.
+    led = READ_BACK_LEAD + text
     named = {"model": model} if model else {}
-    ids = (await ask("/extras/tokenize", {**named, "input": text}))["tokens"]
+    ids = (await ask("/extras/tokenize", {**named, "input": led}))["tokens"]
     back = (await ask("/extras/detokenize", {**named, "tokens": ids}))["text"]
-    if back == text:
+    if back == led:
         return None
     return (
-        f"{url} reads what the model wrote, {text[-48:]!r}, back as {back[-48:]!r}: a "
+        f"{url} reads what the model wrote, {text[-48:]!r}, back as "
+        f"{back.removeprefix(READ_BACK_LEAD)[-48:]!r}: a "
         "special token it spells, or text it does not keep"
     )
 
