@@ -30,7 +30,7 @@ import os
 import shutil
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -195,10 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     args, extra = parser.parse_known_args(argv)
     if args.command == "status":
-        sys.exit(status(args))
+        sys.exit(piped(lambda: status(args)))
     if args.command == "options":
-        list_options()
-        return
+        sys.exit(piped(list_options))
     if args.command == "addon-path":
         print(ADDON)
         return
@@ -216,6 +215,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_workers(args, extra))
     command = mitmdump_argv(args, extra)
     os.execv(command[0], command)
+
+
+def piped(command: Callable[[], int | None]) -> int:
+    """Its exit status; a reader that stops early (`spillover status | head`) ends it quietly,
+    as it ends `cat`."""
+    try:
+        code = command() or 0
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
 
 
 def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
