@@ -15,21 +15,26 @@ from scripts.parts.processes import free_port
 class Tap:
     """Relays 127.0.0.1:`port` to `target_port`; once armed, calls `act` (once) when the
     server has sent `when(seen)` true, `seen` being every byte it sent since arming. The
-    bytes that made it true are forwarded after `act` returns."""
+    bytes that made it true are forwarded after `act` returns; armed with `dies=True`
+    (`act` kills the server), nothing the server sent after the event that made it true
+    is forwarded: on a loaded machine one read can hold the whole rest of the answer,
+    written before the kill landed, and a server that died there never sent it."""
 
     def __init__(self, target_port: int) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._target = target_port
-        self._armed: tuple[Callable[[bytes], bool], Callable[[], None]] | None = None
+        self._armed: tuple[Callable[[bytes], bool], Callable[[], None], bool] | None = None
         self._seen = bytearray()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
 
-    def arm(self, when: Callable[[bytes], bool], act: Callable[[], None]) -> None:
+    def arm(
+        self, when: Callable[[bytes], bool], act: Callable[[], None], dies: bool = False
+    ) -> None:
         with self._lock:
             self._seen.clear()
-            self._armed = (when, act)
+            self._armed = (when, act, dies)
 
     def serve(self) -> None:
         while True:
@@ -51,9 +56,10 @@ class Tap:
     def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
         try:
             while data := source.recv(65536):
-                if answers:
-                    self._watch(data)
-                sink.sendall(data)
+                cut = self._watch(data) if answers else None
+                sink.sendall(data if cut is None else data[:cut])
+                if cut is not None:
+                    return  # the server died there
         except OSError:
             pass
         finally:
@@ -61,16 +67,25 @@ class Tap:
                 with suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
 
-    def _watch(self, data: bytes) -> None:
+    def _watch(self, data: bytes) -> int | None:
+        """Where to cut `data` (a server that dies), or None to forward it all."""
         with self._lock:
             if self._armed is None:
-                return
+                return None
+            before = bytes(self._seen)
             self._seen += data
-            when, act = self._armed
+            when, act, dies = self._armed
             if not when(bytes(self._seen)):
-                return
+                return None
             self._armed = None
         act()
+        if not dies:
+            return None
+        # The first event boundary at which it held: what the server sent up to there.
+        at = data.find(b"\n\n")
+        while at >= 0 and not when(before + data[: at + 2]):
+            at = data.find(b"\n\n", at + 2)
+        return len(data) if at < 0 else at + 2
 
 
 @contextmanager

@@ -172,7 +172,7 @@ def test_a_call_cut_inside_its_arguments_is_written_again_whole(tapped_pair: Sta
     first, _, proxy, tap = tapped_pair(LLAMA31, "primary")
     body = body_of(WORDS_THEN_CALL)
     alone = read_stream(first.url, body)
-    tap.arm(lambda seen: seen.count(b'"arguments"') >= 3, first.kill)
+    tap.arm(lambda seen: seen.count(b'"arguments"') >= 3, first.kill, dies=True)
     stream = read_stream(proxy.url, body)
     assert_one_clean_stream(stream)
     (note,) = stream.notes
@@ -196,7 +196,8 @@ def test_after_a_whole_call_the_answer_ends_in_band_or_stays(tapped_pair: Start,
     assert len(calls_of(alone)) > 1
 
     stopped = lambda: os.kill(first.pid, signal.SIGSTOP)  # noqa: E731
-    tap.arm(lambda seen: b'"index":1' in seen, first.kill if cut == "failure" else stopped)
+    dies = cut == "failure"
+    tap.arm(lambda seen: b'"index":1' in seen, first.kill if dies else stopped, dies=dies)
 
     def on_chunk(n: int) -> None:
         if cut == "pressure" and n == 2:  # the role, then the first call
@@ -223,7 +224,7 @@ def test_a_first_call_cut_before_anything_was_sent_starts_over_on_the_fallback(
     whole, within what is left of the budget (the primary's tokens count)."""
     first, second, proxy, tap = tapped_pair(FUNCTIONARY, "fallback")
     body = body_of(REQUIRED)
-    tap.arm(lambda seen: seen.count(b'"arguments"') >= 3, first.kill)
+    tap.arm(lambda seen: seen.count(b'"arguments"') >= 3, first.kill, dies=True)
     stream = read_stream(proxy.url, body)
     assert_one_clean_stream(stream)
     (note,) = stream.notes

@@ -195,7 +195,7 @@ def test_a_first_tool_use_cut_starts_over_whole_on_the_fallback(tapped_pair: Sta
     fallback (another model) writes its own blocks whole."""
     first, second, proxy, tap = tapped_pair(FUNCTIONARY, "fallback")
     body = messages_body(ANY)
-    tap.arm(lambda seen: seen.count(b"input_json_delta") >= 3, first.kill)
+    tap.arm(lambda seen: seen.count(b"input_json_delta") >= 3, first.kill, dies=True)
     through, notes = tool_uses(proxy.url, body)
     (note,) = notes
     spent = int(note.split(" after ")[1].split()[0])
