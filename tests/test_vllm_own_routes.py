@@ -40,6 +40,7 @@ from scripts.testbed.vllmserver import (
 )
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_decided_handoffs import declined
+from tests.test_splice import handoff
 
 pytestmark = pytest.mark.timeout(420)
 LONG = 300
@@ -219,16 +220,21 @@ def test_what_vllms_parsers_showed_is_not_continued_as_what_the_model_wrote(
     start_proxy, thinking_vllm: str, fallback: LlamaServer
 ) -> None:
     """A llama-server does not read vLLM's ids: the reasoning the client got is what
-    vLLM's parser showed (its markers hidden), so the answer ends in-band saying so."""
+    vLLM's parser showed (its markers hidden), so an asked handoff is declined before the
+    cut (issue 53) and the answer comes whole from vLLM; the status says why."""
     proxy = start_proxy(thinking_vllm, [fallback.url])
     proxy.servers_known()
+    asked: list[int] = []
     stream = read_stream(
         proxy.url, chat_body(LONG, model=SERVED_NAME), timeout=300,
-        on_chunk=lambda n: n == 10 and httpx.post(f"{proxy.url}/spillover/handoff"),
+        on_chunk=lambda n: n == 10 and asked.append(handoff(proxy)),
     )  # fmt: skip
-    assert stream.thoughts[0] and stream.done == 0
-    message = stream.errors[0]["error"]["message"]
-    assert "known only as vLLM's reasoning parser showed it" in message
+    assert asked == [0]
+    assert_one_clean_stream(stream)
+    assert stream.thoughts[0] and stream.notes == [] and stream.done == 1
+    (entry,) = declined(proxy)["recent"]
+    assert entry["kind"] == "requested" and entry["server"] == thinking_vllm, entry
+    assert "known only as vLLM's reasoning parser showed it" in entry["why"], entry
 
 
 def test_a_killed_llama_server_goes_on_inside_its_reasoning_on_vllm(
