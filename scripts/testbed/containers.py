@@ -98,13 +98,15 @@ def _image(tag: str, files: dict[str, Path], links: dict[str, str], entry: str =
 
 
 def llama_server_image(binary: Path) -> str:
-    """The tag of an image whose entry point is `binary`, with the libraries it links."""
+    """The tag of an image whose entry point is `binary`, with the libraries it links,
+    each where it is here: a binary that finds its libraries beside itself ($ORIGIN in
+    its run path, as the prebuilt llama-server's does) finds them there too."""
     linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
-    files = {"llama-server": binary}
+    files = {str(binary).lstrip("/"): binary}
     for library in re.findall(r"(/\S+) \(0x", linked.stdout):
         files[library.lstrip("/")] = Path(library).resolve()
-    tag = f"{IMAGE}:{hashlib.sha256(binary.read_bytes()).hexdigest()[:12]}"
-    return _image(tag, files, {}, entry="/llama-server")
+    tag = f"{IMAGE}:{hashlib.sha256(binary.read_bytes()).hexdigest()[:12]}-{len(files)}"
+    return _image(tag, files, {}, entry=str(binary))
 
 
 def systemd_image() -> str:
