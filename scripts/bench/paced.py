@@ -8,8 +8,9 @@ mitmdump, the addon, the addon asking for token ids (a fallback with the same
 tokenizer: a second stand-in), and the addon over worker processes behind HAProxy
 (`--workers 2,4,8`: a row per count, where HAProxy is installed). For each: events/s
 delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
-the proxy's CPU (its processes together, in cores); then each route against plain
-mitmdump, as ratios.
+the proxy's CPU (its processes together, in cores, and in CPU seconds per 10,000 events
+delivered) and its memory per 1,000 open streams (its resident memory at its most while
+the row streams, over idle); then each route against plain mitmdump, as ratios.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
 """
@@ -21,6 +22,7 @@ import asyncio
 import os
 import resource
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,22 +64,46 @@ def percentile(samples: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
 
 
-Row = tuple[float, float, float, float, float]  # asked ev/s, got ev/s, p50, p99, proxy cores
+# asked ev/s, got ev/s, p50, p99, proxy cores, proxy CPU s per 10,000 events, MiB per
+# 1,000 open streams (the proxy's resident memory at its most in the row, over idle)
+Row = tuple[float, float, float, float, float, float, float]
+
+
+def resident_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
 
 
 def measure(
     port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float
 ) -> Row:
     asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5))  # warm up
-    used = cpu_seconds(pids())
+    used, idle = cpu_seconds(pids()), resident_mib(pids())
+    most = [idle]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            most.append(resident_mib(pids()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     events, took, latencies = asyncio.run(paced_streams(port, streams, rate, seconds))
-    cores = (cpu_seconds(pids()) - used) / took
+    done.set()
+    sampler.join()
+    cpu = cpu_seconds(pids()) - used
     return (
         streams * rate,
         events / took,
         percentile(latencies, 0.5),
         percentile(latencies, 0.99),
-        cores,
+        cpu / took,
+        1e4 * cpu / max(events, 1),
+        1000 * (max(most) - idle) / streams,
     )
 
 
@@ -107,12 +133,14 @@ def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]
     """Each row absolute and over direct (the latency the route adds), then each route
     against plain mitmdump as ratios."""
     heads = ("asked/s", "got/s", "got %", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "cores")
+    heads += ("cpu/10k", "MiB/1k")
     lines = [f"{'streams':>7}  {'route':16} " + " ".join(f"{h:>8}" for h in heads)]
-    for (streams, name), (asked, got, p50, p99, cores) in rows.items():
+    for (streams, name), (asked, got, p50, p99, cores, cpu, mib) in rows.items():
         direct = rows[streams, "direct"]
         lines.append(
             f"{streams:7}  {name:16} {asked:8.0f} {got:8.0f} {100 * got / asked:8.1f} "
-            f"{p50:8.2f} {p99:8.2f} {p50 - direct[2]:8.2f} {p99 - direct[3]:8.2f} {cores:8.2f}"
+            f"{p50:8.2f} {p99:8.2f} {p50 - direct[2]:8.2f} {p99 - direct[3]:8.2f} {cores:8.2f} "
+            f"{cpu:8.3f} {mib:8.1f}"
         )
     for streams in counts:
         plain = rows[streams, "plain mitmdump"]
@@ -120,7 +148,8 @@ def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]
             row = rows[streams, name]
             lines.append(
                 f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
-                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x"
+                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x, "
+                f"CPU per event {row[5] / plain[5]:.2f}x"
             )
     return lines
 
