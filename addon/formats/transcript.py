@@ -23,6 +23,7 @@ TIMINGS = "timings"
 # vLLM's `reasoning` (vLLM 0.32's only one; the builds between its rename and the old
 # name's removal, about 0.12 to 0.15, write both in each delta, the same text).
 REASONING_FIELDS = ("reasoning_content", "reasoning")
+UNREAD_BYTES = 64 * 1024  # forwarded chunks kept unread at most (see Transcript.record_raw)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Transcript:
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
     _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
+    _unread_bytes: int = 0
 
     @property
     def text(self) -> str:
@@ -84,13 +86,19 @@ class Transcript:
         return "".join(self.reasoning)
 
     def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
-        """Account for a block of events forwarded unread; `settle()` has `read` read it."""
+        """Account for a block of events forwarded unread; `settle()` has `read` read it,
+        at the latest once UNREAD_BYTES wait: every block is read by the answer's end
+        anyway, and an answer's chunks kept whole until then (with their token pieces,
+        hundreds of bytes a token) were most of what an open stream held."""
         self._unread.append((block, read))
+        self._unread_bytes += len(block)
+        if self._unread_bytes > UNREAD_BYTES:
+            self.settle()
 
     def settle(self) -> None:
-        for block, read in self._unread:
+        unread, self._unread, self._unread_bytes = self._unread, [], 0
+        for block, read in unread:
             read(block)
-        self._unread.clear()
 
     def timed(self, chunk: dict[str, Any]) -> None:
         """A leg's last chunk: how long its server took to read the prompt, if it says."""

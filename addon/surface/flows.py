@@ -73,9 +73,15 @@ def flows_kept() -> bool:
     """Whether flows the addon makes would go anywhere: a view (mitmweb, the console) or
     a `-w` file. With neither they are not made (a leg's flow costs its answer's first
     token about 0.15 ms)."""
-    return ctx.options.spillover_upstream_flows and (
-        ctx.master.addons.get("view") is not None
-        or bool("save_stream_file" in ctx.options and ctx.options.save_stream_file)
+    return ctx.options.spillover_upstream_flows and bodies_kept()
+
+
+def bodies_kept() -> bool:
+    """Whether a flow's body goes anywhere once it has streamed: a view or a `-w` file
+    (mitmdump alone keeps no flow, so an answer kept whole in it would only hold an open
+    stream's memory: its every byte so far)."""
+    return ctx.master.addons.get("view") is not None or bool(
+        "save_stream_file" in ctx.options and ctx.options.save_stream_file
     )
 
 

@@ -26,7 +26,7 @@ from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
-from addon.surface.flows import as_flow, flows_kept, show, show_handoffs, show_leg
+from addon.surface.flows import as_flow, bodies_kept, flows_kept, show, show_handoffs, show_leg
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
 from addon.surface.mistakes import given_twice, refuse_at_start, unknown_options
@@ -181,8 +181,11 @@ class Spillover:
             return
         self._loop = asyncio.get_running_loop()
         # A dead primary must not fail the client's connection before the request hook
-        # can send it elsewhere, and stitched answers should be kept in flows and -w files.
-        ctx.options.update(connection_strategy="lazy", store_streamed_bodies=True)
+        # can send it elsewhere, and stitched answers should be kept in flows and -w files
+        # (where there are some: a person may still set store_streamed_bodies).
+        ctx.options.update(connection_strategy="lazy")
+        if bodies_kept():
+            ctx.options.update(store_streamed_bodies=True)
         await self.endpoint.start()
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
         if every := ctx.options.spillover_health_s:
