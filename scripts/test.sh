@@ -41,8 +41,7 @@ CertStore.from_store(Path("~/.mitmproxy").expanduser(), "mitmproxy", 2048)'
 # Most tests wait on real servers, so they run in parallel: one worker per core and one
 # more (SPILLOVER_TEST_WORKERS to choose), each test file on one worker so its servers
 # start once. The few marked `alone` take real system RAM, which every proxy's watcher
-# reads, or cut an answer at a point a loaded machine moves, so they run afterwards by
-# themselves. The slowest tests are listed each time.
+# reads, so they run afterwards by themselves. The slowest tests are listed each time.
 workers=${SPILLOVER_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 status=0
 .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not alone" --durations=30 "$@" \

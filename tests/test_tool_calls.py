@@ -165,7 +165,6 @@ def test_a_cut_before_any_call_goes_on_as_the_fallback_continues_what_the_model_
     no_markup(stream)
 
 
-@pytest.mark.alone  # where the cut lands, and what the server has counted by then, moves under load
 def test_a_call_cut_inside_its_arguments_is_written_again_whole(tapped_pair: Start) -> None:
     """The primary dies three argument pieces into its call: the client had the words
     before it and nothing of the call, and the fallback (the same model) goes on from
@@ -177,8 +176,10 @@ def test_a_call_cut_inside_its_arguments_is_written_again_whole(tapped_pair: Sta
     stream = read_stream(proxy.url, body)
     assert_one_clean_stream(stream)
     (note,) = stream.notes
-    words = len(alone.segments[0].split())
-    assert f"after {words} tokens" in note and "replayed as text" in note, note
+    # At least the words before the call were written (a word may be more than one token,
+    # and what the model writes depends on the date its template prints).
+    cut = int(note.split(" after ")[1].split()[0])
+    assert cut >= len(alone.segments[0].split()) and "replayed as text" in note, note
     assert stream.segments[1] == "", "the primary had sent every word before the call"
     assert stream.text == alone.text
     assert calls_of(stream) == calls_of(alone)
