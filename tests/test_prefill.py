@@ -69,22 +69,28 @@ def test_an_answer_that_begins_as_its_prefill_did_goes_on_from_every_character(
     assert sent == rendered + answer, (sent[-30:], rendered[-10:])
 
 
-async def _continued(server: LlamaServer, body: dict[str, Any], answer: str) -> str:
-    """The prompt `server` reads for the continuation the addon builds of `answer`, cut
-    after its first two chunks (a llama-server's own first leg, as the splice records
-    it: its echo as `prefill_echoed` says, its text as delivered)."""
+async def built_continuation(url: str, body: dict[str, Any], answer: str) -> tuple[str, Any]:
+    """(path, body) of the continuation the addon builds on the server at `url` of
+    `answer`, cut after its first two chunks (the server's own first leg, as the splice
+    records it: its echo as `prefill_echoed` says, its text as delivered)."""
     servers = ServerDirectory()
-    upstream = Upstream(server.url)
+    upstream = Upstream(url)
     try:
         info = await servers.probe(upstream, True)
         record = Transcript()
-        record.begin_leg(server.url, echoes=prefill_echoed(body, info))
+        record.begin_leg(url, echoes=prefill_echoed(body, info))
         for text in (answer[:5], answer[5:]):
             record.record({"choices": [{"index": 0, "delta": {"content": text}}]})
         leg = NextLeg("/v1/chat/completions", Chat("messages"), body, record, servers, False)
         path, sent, _, _ = await leg.continuation(upstream)
     finally:
         await servers.close()
+    return path, sent
+
+
+async def _continued(server: LlamaServer, body: dict[str, Any], answer: str) -> str:
+    """The prompt `server` reads for the continuation the addon builds of `answer`."""
+    path, sent = await built_continuation(server.url, body, answer)
     if path == "/completion":
         return "".join(part for part in sent["prompt"] if isinstance(part, str))
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:

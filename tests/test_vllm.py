@@ -67,6 +67,7 @@ from tests.streams import (
     direct_text,
     read_stream,
 )
+from tests.test_prefill import built_continuation
 from tests.test_routing import live_on
 from tests.test_splice import held
 from tests.throttle import Throttled
@@ -595,18 +596,7 @@ async def _prefill_continued(vllm: VllmServer, body: dict, answer: str) -> tuple
     """The text of the prompt vLLM reads for the continuation the addon builds of
     `answer` (vLLM's own first leg, as the splice records it), and the truth: its
     rendering of the request as sent, then the answer."""
-    servers = ServerDirectory()
-    upstream = Upstream(vllm.url)
-    try:
-        info = await servers.probe(upstream, True)
-        record = Transcript()
-        record.begin_leg(vllm.url, echoes=prefill_echoed(body, info))
-        for text in (answer[:5], answer[5:]):
-            record.record({"choices": [{"index": 0, "delta": {"content": text}}]})
-        leg = NextLeg("/v1/chat/completions", Chat("messages"), body, record, servers, False)
-        path, sent, _, _ = await leg.continuation(upstream)
-    finally:
-        await servers.close()
+    path, sent = await built_continuation(vllm.url, body, answer)
     async with httpx.AsyncClient(base_url=vllm.url, timeout=60) as client:
 
         async def text(ids: list[int]) -> str:
