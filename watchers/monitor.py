@@ -113,9 +113,18 @@ class MemoryMonitor:
                         if state.error is not None and fresh:
                             state.error = None
                     else:
-                        if result.held is not None and own is None:
-                            own = self._own_pids()
-                        mine = None if own is None else result.held_by(own)
+                        if (
+                            result.held is not None
+                            and state.last
+                            and result.held == state.last.held
+                        ):
+                            # Who holds what has not moved: neither has the servers' share
+                            # (their processes are looked up only where it may have).
+                            mine = state.own_mib
+                        else:
+                            if result.held is not None and own is None:
+                                own = self._own_pids()
+                            mine = None if own is None else result.held_by(own)
                         if (crossing := state.observe(result, self.lines, mine)) is not None:
                             fired.append(crossing)
                         elif state.rest_since == result.time and state.rest_how.startswith("held"):
