@@ -18,6 +18,7 @@ from scripts.testbed.memfiles import FakeCard, FakeProcess, write_in_place
 from scripts.testbed.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
 from tests.test_cli import spillover
+from tests.test_pressure_handoff import step_hands_off
 from tests.test_routing import CONTROL, state_of, wait_for
 
 LONG = 800
@@ -46,12 +47,8 @@ def test_memory_kept_then_the_primary_again_then_a_second_step(
     two_cards, primary: LlamaServer, fallback: LlamaServer
 ) -> None:
     proxy, card0 = two_cards
-    first = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
-    )
-    assert_one_clean_stream(first)
-    (note,) = first.notes
-    assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left" in note
+    said = "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left"
+    step_hands_off(proxy, card0, 15041, said, primary, fallback)
     # The program keeps what it took: new answers go to the fallback meanwhile...
     assert state_of(proxy, primary.url) == "pressured"
     assert started_on(read_stream(proxy.url, chat_body(20)), fallback.url)
@@ -64,13 +61,8 @@ def test_memory_kept_then_the_primary_again_then_a_second_step(
     assert_one_clean_stream(back)
     assert back.notes == []  # the primary's answer, nothing said
     # The next step hands off again, its lines counted from the new rest.
-    second = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(16141)
-    )
-    assert_one_clean_stream(second)
-    (note,) = second.notes
-    assert "memory pressure on drm:card0: 243 MiB free (floor 512)" in note
-    assert_exact_splice(second, primary.url, fallback.url, LONG)
+    said = "memory pressure on drm:card0: 243 MiB free (floor 512)"
+    step_hands_off(proxy, card0, 16141, said, primary, fallback)
 
 
 def test_a_second_step_while_pressured_moves_what_started_there(

@@ -33,6 +33,20 @@ def watched(start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: 
     return start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on)), cards
 
 
+def step_hands_off(proxy, card: FakeCard, used_mib: int, said: str, primary, fallback):
+    """An answer through `proxy` whose card reaches `used_mib` at its 20th chunk: handed
+    off once, its note saying `said`, the client's text the primary's then exactly the
+    fallback's own continuation. The stream, for more checks."""
+    stream = read_stream(
+        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card.set_used(used_mib)
+    )
+    assert_one_clean_stream(stream)
+    (note,) = stream.notes
+    assert said in note, note
+    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+    return stream
+
+
 def test_a_step_on_the_primarys_card_hands_off(
     watched, primary: LlamaServer, fallback: LlamaServer
 ) -> None:
@@ -41,13 +55,8 @@ def test_a_step_on_the_primarys_card_hands_off(
     assert status["alive"] and set(status["cards"]) == {"drm:card0", "drm:card1"}
     assert status["servers"][primary.url]["cards"] == ["drm:card0"]
     assert status["servers"][primary.url]["how"] == "explicit"
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
-    )
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left, seen within" in note
-    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+    said = "memory pressure on drm:card0: step +5,041 MiB, 1,343 MiB left, seen within"
+    step_hands_off(proxy, card0, 15041, said, primary, fallback)
     metrics = httpx.get(proxy.url + "/spillover/metrics").text
     assert 'spillover_handoffs_total{kind="pressure"} 1.0' in metrics
     assert "spillover_pressure_detection_seconds_count 1.0" in metrics
@@ -217,13 +226,8 @@ def test_a_card_full_at_rest_keeps_its_answers_until_memory_is_taken(
         assert calm.notes == [] and calm.text == read_stream(primary.url, chat_body(40)).text
     states = httpx.get(proxy.url + "/spillover/status").json()["routing"]["states"]
     assert states[primary.url]["state"] == "ok"
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(16256)
-    )
-    assert_one_clean_stream(stream)
-    (note,) = stream.notes
-    assert "memory pressure on drm:card0: 128 MiB free (floor 164)" in note
-    assert_exact_splice(stream, primary.url, fallback.url, LONG)
+    said = "memory pressure on drm:card0: 128 MiB free (floor 164)"
+    step_hands_off(proxy, card0, 16256, said, primary, fallback)
 
 
 def test_a_card_its_own_server_fills_while_loading_is_not_pressure(
