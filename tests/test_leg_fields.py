@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -123,6 +124,27 @@ def test_a_logprobs_client_s_ids_are_replayed_only_when_none_were_held_back(
     assert after == own
 
 
+def spelled_then_plain(start_proxy, fallback: str, body: dict[str, Any], refused: str) -> None:
+    """A stand-in primary writes ' the river' and then ' <|im_end|>' (no real model here
+    writes a special token's text as ordinary pieces on demand), or ' bridge', and dies:
+    the first ends in-band, its error saying `refused`; the second goes on at `fallback`."""
+    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
+        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(said))
+        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
+        try:
+            proxy = start_proxy(primary.url, [fallback])
+            proxy.servers_known()
+            stream = read_stream(proxy.url, body)
+            if spells:
+                (error,) = stream.errors
+                assert refused in error["error"]["message"], error
+            else:
+                assert_one_clean_stream(stream)
+                assert stream.segments[0] == " the river bridge" and stream.segments[1]
+        finally:
+            primary.close()
+
+
 def test_text_that_spells_a_special_token_of_the_fallback_is_not_sent_as_text(
     start_server: Callable[..., LlamaServer], start_proxy: Callable[..., Mitmdump]
 ) -> None:
@@ -131,19 +153,8 @@ def test_text_that_spells_a_special_token_of_the_fallback_is_not_sent_as_text(
     tokenizer would read that text as its end-of-turn token: the answer ends in-band
     with the reason, and a stand-in that writes plain words goes on."""
     fallback = start_server("fallback")
-    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
-        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(said))
-        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
-        proxy = start_proxy(primary.url, [fallback.url])
-        proxy.servers_known()
-        stream = read_stream(proxy.url, {**SHAPES["plain"], "max_tokens": 20, "stream": True})
-        if spells:
-            (error,) = stream.errors
-            assert "spells '<|im_end|>'" in error["error"]["message"], error
-        else:
-            assert_one_clean_stream(stream)
-            assert stream.segments[0] == " the river bridge" and stream.segments[1]
-        primary.close()
+    body = {**SHAPES["plain"], "max_tokens": 20, "stream": True}
+    spelled_then_plain(start_proxy, fallback.url, body, "spells '<|im_end|>'")
 
 
 def _said(delta: dict[str, str]) -> bytes:
@@ -239,19 +250,8 @@ def test_llama_cpp_python_is_asked_whether_text_spells_its_special_tokens(
     drops a control token), tells; plain words go on."""
     fallback = LlamaCppPythonServer(models["fallback"], log_dir=server_logs).start(timeout=120)
     try:
-        for said, spells in ((" <|im_end|>", True), (" bridge", False)):
-            events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"),
-                      sse_chunk(said))  # fmt: skip
-            primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
-            proxy = start_proxy(primary.url, [fallback.url])
-            proxy.servers_known()
-            stream = read_stream(proxy.url, {**SHAPES["plain"], "max_tokens": 20, "stream": True})
-            if spells:
-                (error,) = stream.errors
-                assert "' the river <|im_end|>', back as ' the river '" in str(error), error
-            else:
-                assert_one_clean_stream(stream)
-                assert stream.segments[0] == " the river bridge" and stream.segments[1]
-            primary.close()
+        body = {**SHAPES["plain"], "max_tokens": 20, "stream": True}
+        back = "' the river <|im_end|>', back as ' the river '"
+        spelled_then_plain(start_proxy, fallback.url, body, back)
     finally:
         fallback.stop()

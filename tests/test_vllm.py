@@ -67,6 +67,7 @@ from tests.streams import (
     direct_text,
     read_stream,
 )
+from tests.test_leg_fields import spelled_then_plain
 from tests.test_prefill import built_continuation
 from tests.test_routing import live_on
 from tests.test_splice import held
@@ -530,19 +531,7 @@ def test_text_that_spells_a_special_token_of_a_vllm_fallback_is_not_sent_as_text
     switch: its added tokens are asked of its `/tokenizer_info` instead, and a text that
     holds one (`<|im_end|>` from a scripted primary that dies after it: no real model
     here writes it as ordinary pieces on demand) does not go there; plain words go on."""
-    for said, spells in ((" <|im_end|>", True), (" bridge", False)):
-        events = (sse_chunk(role=True), sse_chunk(" the"), sse_chunk(" river"), sse_chunk(said))
-        primary = FakeUpstream([(STREAM_HEAD + chunked(*events), 0)])
-        proxy = start_proxy(primary.url, [vllm.url])
-        proxy.servers_known()
-        stream = read_stream(proxy.url, chat_body(20, model="any"))
-        if spells:
-            (error,) = stream.errors
-            assert "spells '<|im_end|>'" in error["error"]["message"], error
-        else:
-            assert_one_clean_stream(stream)
-            assert stream.segments[0] == " the river bridge" and stream.segments[1]
-        primary.close()
+    spelled_then_plain(start_proxy, vllm.url, chat_body(20, model="any"), "spells '<|im_end|>'")
 
 
 def test_an_answer_that_begins_as_its_prefill_did_goes_on_from_every_character_on_vllm(
