@@ -52,10 +52,18 @@ def write_in_place(path: Path, text: str) -> None:
 
 
 def mem_available_mib() -> float:
+    return _meminfo_mib("MemAvailable")
+
+
+def mem_total_mib() -> float:
+    return _meminfo_mib("MemTotal")
+
+
+def _meminfo_mib(field: str) -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no MemAvailable")
+    raise AssertionError(f"no {field} in /proc/meminfo")
 
 
 class FakeProcess:
