@@ -32,6 +32,8 @@ class HttpClientStream:
     def __init__(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
         self._conn = conn
         self._writer = writer
+        self._transport = writer.transport
+        self._high_water = self._transport.get_write_buffer_limits()[1]
         self.started = False
         self.ended = False
 
@@ -71,6 +73,9 @@ class HttpClientStream:
     async def drain(self) -> None:
         await self._writer.drain()
 
+    def backed_up(self) -> bool:
+        return self._transport.get_write_buffer_size() > self._high_water
+
 
 class HeldClient:
     """What a splice writes before the endpoint's connection for it arrives, passed on to
@@ -88,6 +93,7 @@ class HeldClient:
             operation(target)
         self._held.clear()
         self.write = target.write  # type: ignore[method-assign]  # straight through now
+        self.backed_up = target.backed_up  # type: ignore[method-assign]
 
     def _do(self, operation: Callable[[ClientStream], None]) -> None:
         if self._target is None:
@@ -114,6 +120,9 @@ class HeldClient:
     async def drain(self) -> None:
         if self._target is not None:
             await self._target.drain()
+
+    def backed_up(self) -> bool:
+        return self._target is not None and self._target.backed_up()
 
 
 @dataclass

@@ -5,19 +5,25 @@ Anything else is taken event by event: the reader parses it, rewrites it for the
 stream and says whether it goes out now, waits for what follows, or belongs to the
 answer's end, which is held back whole until the stream's last event so that nothing
 after the answer's end is lost or doubled if the leg dies there.
+
+All of that is one synchronous step per read (`feed`), so a leg's reads are pumped in the
+event loop's callback that received them (`run_pushed`: no task woken, no await per
+token); a leg whose body is adapted by a coroutine first is pumped in turn (`run`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 from addon.answer.pace import Pace
-from addon.formats.dialect import Event, Garbled, LegReader, Splitter, Step
+from addon.formats.dialect import Event, Garbled, LegReader, Step
 from addon.formats.sse import EventTooLarge
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream
+from addon.servers.upstream import Response, UpstreamError
 
 log = logging.getLogger(__name__)
 # What a transcript cannot replay once an event went out unread (see Transcript.other_parts).
@@ -47,64 +53,145 @@ class Pump:
         self.finishing = finishing
         self.may_move = may_move
         self.closed = False  # the server closed the stream mid-answer
+        self.outcome: str | None = None  # once `feed` said the leg is over: why, or None
+        self.server = ""
         self._held: list[Event] = []
+        self._splitter = reader.splitter()
+        self._passing = False  # the rest goes out as sent (see `_pass_on`)
 
     async def run(self, body: AsyncIterator[bytes], server: str) -> str | None:
-        """None when the answer is complete, otherwise why the leg failed."""
-        reader, client, transcript, pace = self.reader, self.client, self.transcript, self.pace
-        splitter = reader.splitter()
+        """Pump `body` in turn. None when the answer is complete, otherwise why the leg
+        failed."""
+        self.server = server
         async for data in body:
-            if pace is not None:
-                pace.saw(time.monotonic(), data.count(reader.boundary))
+            if self.feed(data):
+                return self.outcome
+            await self.client.drain()
+        return self.finish()
+
+    async def run_pushed(self, response: Response, server: str) -> str | None:
+        """Pump `response`'s body in the callbacks that receive it; as `run`. While the
+        client's connection is backed up, the server's is not read."""
+        self.server = server
+        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        draining: list[asyncio.Task[None]] = []
+
+        def settle(step: Callable[[], str | None]) -> None:
+            # `done` is cancelled the moment the leg is (a handoff decided in `step`'s
+            # own work too): nothing more goes out, nothing is settled twice.
             try:
-                block = splitter.feed(data)
-            except EventTooLarge as exc:
-                if self.may_move():
-                    return f"garbled stream from {server}: {exc}"
-                return await self._pass_on(f"garbled stream from {server}: {exc}", splitter, body)
-            if not block:
+                outcome = step()
+            except BaseException as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            if not done.done():
+                done.set_result(outcome)
+
+        def on_body(data: bytes) -> None:
+            if done.done():
+                return
+            try:
+                over = self.feed(data)
+            except BaseException as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            if over:
+                settle(lambda: self.outcome)
+            elif self.client.backed_up() and not draining:
+                response.pause()
+                draining.append(asyncio.ensure_future(self._resume_drained(response, draining)))
+
+        def on_end(error: UpstreamError | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                settle(self.finish)
+
+        response.push(on_body, on_end)
+        try:
+            return await done
+        finally:
+            for task in draining:
+                task.cancel()
+
+    async def _resume_drained(self, response: Response, draining: list[asyncio.Task[None]]) -> None:
+        try:
+            await self.client.drain()
+        except ConnectionError:
+            return  # the client left: the endpoint cancels the answer
+        finally:
+            draining.clear()
+        response.resume()
+
+    def feed(self, data: bytes) -> bool:
+        """Take one read of the leg's body; True when the leg is over (`outcome` says how)."""
+        if self._passing:
+            self.client.write(data)
+            return False
+        reader, pace = self.reader, self.pace
+        if pace is not None:
+            pace.saw(time.monotonic(), data.count(reader.boundary))
+        try:
+            block = self._splitter.feed(data)
+        except EventTooLarge as exc:
+            why = f"garbled stream from {self.server}: {exc}"
+            if self.may_move():
+                return self._over(why)
+            self._pass_on(why)
+            return False
+        if not block:
+            return False
+        if not self._held and (unread := reader.plain(block)) is not None:
+            self.client.write(unread)  # the hot path: ordinary tokens, forwarded unread
+            self.transcript.record_raw(block, reader.read_block)
+            return False
+        if reader.reads_transcript:
+            self.transcript.settle()
+        out: list[bytes] = []
+        for event in reader.events(block):
+            taken = reader.take(event)
+            if isinstance(taken, Garbled) and not self.may_move():
+                log.info("%s; passed on as sent: no other server could go on", taken)
+                self.transcript.other_parts.add(UNREAD)
+                out.append(event + reader.boundary)
                 continue
-            if not self._held and (unread := reader.plain(block)) is not None:
-                client.write(unread)  # the hot path: ordinary tokens, forwarded unread
-                transcript.record_raw(block, reader.read_block)
-                await client.drain()
-                continue
-            transcript.settle()
-            out: list[bytes] = []
-            for event in reader.events(block):
-                taken = reader.take(event)
-                if isinstance(taken, Garbled) and not self.may_move():
-                    log.info("%s; passed on as sent: no other server could go on", taken)
-                    transcript.other_parts.add(UNREAD)
-                    out.append(event + reader.boundary)
-                    continue
-                if isinstance(taken, str):
-                    self.flush(out)
-                    return taken
-                if self._put(taken, out):
-                    return None  # the answer went out whole
-            if out:
+            if isinstance(taken, str):
                 self.flush(out)
-                await client.drain()
-        if (last := reader.close()) is not None:
+                return self._over(taken)
+            if self._put(taken, out):
+                return self._over(None)  # the answer went out whole
+        self.flush(out)
+        return False
+
+    def finish(self) -> str | None:
+        """The body ended: None when the answer is complete, otherwise why the leg failed."""
+        if self._passing:
+            self.client.end(b"")
+            return None
+        if (last := self.reader.close()) is not None:
             # The server finished its answer and died before its last event: it is whole.
             self._end([e.data for e in self._held], last)
             return None
         self.closed = True
-        return f"{server} closed the stream mid-answer"
+        return f"{self.server} closed the stream mid-answer"
 
-    async def _pass_on(self, why: str, splitter: Splitter, body: AsyncIterator[bytes]) -> None:
-        """The rest of the leg as its server sends it, unread (an event too large to read,
-        with no other server to go to): the answer ends when the server ends it."""
+    def _over(self, outcome: str | None) -> bool:
+        self.outcome = outcome
+        return True
+
+    def _pass_on(self, why: str) -> None:
+        """From now on the leg goes out as its server sends it, unread (an event too large
+        to read, with no other server to go to): the answer ends when the server ends it."""
         log.info("%s; passed on as sent: no other server could go on", why)
         self.transcript.other_parts.add(UNREAD)
         self.finishing()
-        self.flush([*(e.data for e in self._held), splitter.rest()])
+        self.flush([*(e.data for e in self._held), self._splitter.rest()])
         self._held = []
-        async for data in body:
-            self.client.write(data)
-            await self.client.drain()
-        self.client.end(b"")
+        self._passing = True
 
     def _put(self, taken: list[Event], out: list[bytes]) -> bool:
         """Send, hold or end with each event; True when the stream has ended."""

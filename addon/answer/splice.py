@@ -429,10 +429,10 @@ class Splice:
                 flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
                 may_move=self._may_move,
             )  # fmt: skip
-            stream = response.body()
             if isinstance(rewriter, Adapter):
-                stream = rewriter.adapt(stream)
-            failure = await pump.run(stream, upstream.url)
+                failure = await pump.run(rewriter.adapt(response.body()), upstream.url)
+            else:
+                failure = await pump.run_pushed(response, upstream.url)
             if failure is not None and pump.closed:
                 self._fleet.mark_down(upstream, "closed the stream mid-answer")
             return failure

@@ -69,6 +69,7 @@ class ChatReader:
         self._finished = False
 
     boundary = SEP
+    reads_transcript = False
     splitter = sse.EventSplitter
     events = staticmethod(sse.events)
 
@@ -133,6 +134,7 @@ class ChatReader:
         return [*taken, Event(Step.SEND, event + SEP, (chunk, pieces, made))]
 
     def record(self, payload: tuple[dict[str, Any], Any]) -> None:
+        self.transcript.settle()  # the blocks before it first (`take` did not need them)
         self.transcript.record(*payload)
 
     def read_block(self, block: bytes) -> None:

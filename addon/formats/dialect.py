@@ -55,6 +55,10 @@ class LegReader(Protocol):
     """One leg's events, as the pump takes them."""
 
     boundary: bytes  # what ends an event (counted for the leg's pace)
+    # Whether `take` reads what the transcript holds (every block that went out unread is
+    # read first); where it does not, `record` reads them first, and an answer whose last
+    # events are not recorded (a chat's finish and [DONE]) never has them read.
+    reads_transcript: bool
 
     def splitter(self) -> Splitter: ...
 

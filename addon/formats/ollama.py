@@ -65,6 +65,7 @@ def encode(payload: dict[str, Any]) -> bytes:
 
 class OllamaReader:
     boundary = NL
+    reads_transcript = True
     splitter = LineSplitter
 
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:

@@ -21,6 +21,7 @@ def encode(payload: dict[str, Any]) -> bytes:
 
 class TypedEventReader:
     boundary = SEP
+    reads_transcript = True
     splitter = sse.EventSplitter
     events = staticmethod(sse.events)
 

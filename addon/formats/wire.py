@@ -39,6 +39,10 @@ class ClientStream(Protocol):
 
     async def drain(self) -> None: ...
 
+    def backed_up(self) -> bool:
+        """Whether what was written waits to be sent beyond what `drain` lets pass."""
+        ...
+
 
 def forwardable(headers: Sequence[Header]) -> list[Header]:
     """A client's request headers that go on to a server (hop-by-hop ones do not)."""

@@ -1,13 +1,16 @@
-"""A minimal streaming HTTP/1.1 client for the upstream legs, on h11 and asyncio streams.
+"""A minimal streaming HTTP/1.1 client for the upstream legs, on h11 and an asyncio protocol.
 
 httpx would do, but a leg sits on the per-token hot path and must be closed the instant
-a handoff is decided; plain streams with h11 framing cost a fraction of httpx per read
-and closing the transport is all it takes for llama-server to free the slot.
+a handoff is decided; an asyncio protocol with h11 framing costs a fraction of httpx per
+read, can hand each read to its consumer in the callback that received it (`push`: no
+task woken per token), and closing the transport is all it takes for llama-server to
+free the slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -15,6 +18,9 @@ from urllib.parse import urlsplit
 import h11
 
 READ_SIZE = 65536
+# What a connection holds unread before it stops reading from the socket (as asyncio's
+# StreamReader does at twice its 64 KiB limit): a slow consumer slows the server.
+HELD_UNREAD = 2 * 65536
 
 
 class UpstreamError(Exception):
@@ -55,6 +61,96 @@ class Upstream:
     @property
     def tls(self) -> bool:
         return urlsplit(self.url).scheme == "https"
+
+
+class Connection(asyncio.Protocol):
+    """One upstream connection's bytes: read in turn (`read`), or handed to a sink in the
+    callback that received them (`sink`), whichever its reader chose."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.sink: Callable[[bytes], None] | None = None
+        self.on_end: Callable[[OSError | None], None] | None = None  # with a sink
+        self._unread: deque[bytes] = deque()
+        self._unread_bytes = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._ended = False
+        self._error: OSError | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink(data)
+            return
+        self._unread.append(data)
+        self._unread_bytes += len(data)
+        if self._unread_bytes > HELD_UNREAD and self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._end(None)
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc if isinstance(exc, OSError) or exc is None else OSError(str(exc)))
+
+    def _end(self, error: OSError | None) -> None:
+        if self._ended:
+            return
+        self._ended, self._error = True, error
+        if self.on_end is not None:
+            self.on_end(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def take_unread(self) -> tuple[list[bytes], bool, OSError | None]:
+        """What arrived and was not read yet, whether the connection ended, and how."""
+        unread = list(self._unread)
+        self._unread.clear()
+        self._unread_bytes = 0
+        return unread, self._ended, self._error
+
+    async def read(self) -> bytes:
+        """The next bytes; b"" once the server closed the connection. Raises the
+        connection's error when it broke."""
+        while not self._unread:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._unread.popleft()
+        self._unread_bytes -= len(data)
+        if self._paused and self._unread_bytes <= HELD_UNREAD // 2:
+            self.resume()
+        return data
+
+    def pause(self) -> None:
+        if self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class ChunkedBody:
@@ -119,17 +215,10 @@ class LengthBody:
 
 
 class Response:
-    """A response whose head has arrived; iterate `body()` for the rest."""
+    """A response whose head has arrived; its body comes by `body()` or by `push`."""
 
-    def __init__(
-        self,
-        conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        head: h11.Response,
-    ) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, conn: h11.Connection, connection: Connection, head: h11.Response) -> None:
+        self._connection = connection
         self.tap: Callable[[bytes], None] | None = None  # when set, is given the body as read
         self.status = head.status_code
         self.reason = head.reason
@@ -157,13 +246,70 @@ class Response:
             if decoder.complete:
                 return
             try:
-                data = await self._reader.read(READ_SIZE)
-            except (ConnectionError, OSError) as exc:
+                data = await self._connection.read()
+            except OSError as exc:
                 raise UpstreamError(f"connection lost: {exc!r}") from exc
             if not data:
                 if isinstance(decoder, LengthBody) and decoder.until_close:
                     return
                 raise UpstreamError("connection closed mid-body")
+
+    def push(
+        self, on_body: Callable[[bytes], None], on_end: Callable[[UpstreamError | None], None]
+    ) -> None:
+        """From now on give each read's body bytes to `on_body` in the callback that
+        received them, then call `on_end` once: None at the end of the message, else why
+        the connection dropped first. Either may be called before this returns."""
+        decoder, connection = self._decoder, self._connection
+        ended = False
+
+        def end(error: UpstreamError | None) -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                connection.sink = connection.on_end = None
+                on_end(error)
+
+        def received(data: bytes) -> None:
+            if ended:
+                return
+            try:
+                out = decoder.feed(data)
+            except UpstreamError as exc:
+                connection.close()
+                end(exc)
+                return
+            if out:
+                if self.tap is not None:
+                    self.tap(out)
+                on_body(out)
+            if decoder.complete:
+                end(None)
+
+        def lost(error: OSError | None) -> None:
+            if error is not None:
+                end(UpstreamError(f"connection lost: {error!r}"))
+            elif isinstance(decoder, LengthBody) and decoder.until_close:
+                end(None)
+            else:
+                end(UpstreamError("connection closed mid-body"))
+
+        unread, over, error = connection.take_unread()
+        connection.sink, connection.on_end = received, lost
+        for data in [self._initial, *unread]:
+            if data:
+                received(data)
+        if not decoder.complete and over:
+            lost(error)
+        elif decoder.complete:
+            end(None)
+
+    def pause(self) -> None:
+        """Stop reading from the server until `resume` (its socket fills; it slows)."""
+        self._connection.pause()
+
+    def resume(self) -> None:
+        self._connection.resume()
 
     async def read_all(self, limit: int = 16 * 1024 * 1024) -> bytes:
         parts: list[bytes] = []
@@ -177,7 +323,7 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection at once; the server sees the client go and stops work."""
-        self._writer.transport.abort()
+        self._connection.close()
 
 
 def sent_headers(
@@ -201,31 +347,30 @@ async def post(
     """Send a POST and wait for the response head."""
     try:
         async with asyncio.timeout(connect_timeout):  # no task of its own, as wait_for makes
-            reader, writer = await asyncio.open_connection(
-                upstream.host, upstream.port, ssl=upstream.tls or None
+            transport, connection = await asyncio.get_running_loop().create_connection(
+                Connection, upstream.host, upstream.port, ssl=upstream.tls or None
             )
     except (OSError, TimeoutError) as exc:
         raise UpstreamError(f"cannot connect to {upstream.url}: {exc!r}") from exc
     conn = h11.Connection(h11.CLIENT)
     request = h11.Request(method="POST", target=path, headers=sent_headers(upstream, body, headers))
     try:
-        writer.write(
+        transport.write(
             conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
         )
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await reader.read(READ_SIZE)
-                conn.receive_data(data)
+                conn.receive_data(await connection.read())
                 continue
             if isinstance(event, h11.Response):
-                return Response(conn, reader, writer, event)
+                return Response(conn, connection, event)
             if isinstance(event, h11.InformationalResponse):
                 continue
             raise UpstreamError(f"connection closed before a response from {upstream.url}")
     except (OSError, h11.RemoteProtocolError) as exc:
-        writer.transport.abort()
+        transport.abort()
         raise UpstreamError(f"{upstream.url} {_before_response(exc)}") from exc
     except BaseException:
-        writer.transport.abort()
+        transport.abort()
         raise
