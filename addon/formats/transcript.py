@@ -5,6 +5,7 @@ Every later leg is asked to go on from here."""
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,7 @@ class Transcript:
     stops: tuple[str, ...] = ()
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
-    _unread: list[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=list)
+    _unread: deque[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=deque)
     _unread_bytes: int = 0
 
     @property
@@ -87,16 +88,21 @@ class Transcript:
 
     def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
         """Account for a block of events forwarded unread; `settle()` has `read` read it,
-        at the latest once UNREAD_BYTES wait: every block is read by the answer's end
-        anyway, and an answer's chunks kept whole until then (with their token pieces,
-        hundreds of bytes a token) were most of what an open stream held."""
-        self._unread.append((block, read))
+        or it is read as the oldest once more than UNREAD_BYTES wait. Only what the
+        transcript is asked for needs them read (a handoff, the status), but an answer's
+        chunks kept whole (with their token pieces, hundreds of bytes a token) were most
+        of what an open stream held. Past that bound one block is read for each that
+        comes: answers that stream in step (a batch's) never all read 64 KiB at once."""
+        unread = self._unread
+        unread.append((block, read))
         self._unread_bytes += len(block)
-        if self._unread_bytes > UNREAD_BYTES:
-            self.settle()
+        while self._unread_bytes > UNREAD_BYTES:
+            oldest, read_oldest = unread.popleft()
+            self._unread_bytes -= len(oldest)
+            read_oldest(oldest)
 
     def settle(self) -> None:
-        unread, self._unread, self._unread_bytes = self._unread, [], 0
+        unread, self._unread, self._unread_bytes = self._unread, deque(), 0
         for block, read in unread:
             read(block)
 
