@@ -243,3 +243,27 @@ def test_a_llama_server_still_reading_a_long_prompt_is_never_cut(
     assert stream.text == direct["choices"][0]["message"]["content"]
     assert waited > 1, waited  # it did wait past the unmeasured bound
     assert "is still at work (slot 0 reading " in proxy.log_path.read_text()
+
+
+def test_a_server_that_hangs_after_the_answers_end_has_its_stream_ended_there(
+    start_proxy, fallback
+) -> None:
+    """A server that sends the finish chunk and then nothing, neither [DONE] nor the end of
+    its body, and keeps the connection open (a stand-in: no real server hangs there on
+    demand): the answer is whole, so the client gets it and the stream's own end once the
+    stall wait is over, from the same server, with no handoff and no error."""
+    words = ["One", " two", " three."]
+    chunks = [sse_chunk(role=True), *(sse_chunk(w) for w in words), sse_chunk(finish="stop")]
+    primary = FakeUpstream([(STREAM_HEAD + chunked(*chunks), 30)])
+    proxy = start_proxy(primary.url, [fallback.url], options=QUICK)
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", f"{proxy.url}/v1/chat/completions", json=chat_body(40), timeout=15
+    ) as reply:
+        received = reply.read()
+    waited = time.monotonic() - started
+    assert received == b"".join(chunks) + b"data: [DONE]\n\n"
+    assert 1 <= waited < 10, waited
+    status = httpx.get(f"{proxy.url}/spillover/status").json()
+    assert status["recent_handoffs"] == []
+    primary.close()

@@ -58,6 +58,7 @@ class Pump:
         self._held: list[Event] = []
         self._splitter = reader.splitter()
         self._passing = False  # the rest goes out as sent (see `_pass_on`)
+        self._stop: Callable[[], None] | None = None  # a pushed leg's end, now
 
     async def run(self, body: AsyncIterator[bytes], server: str) -> str | None:
         """Pump `body` in turn. None when the answer is complete, otherwise why the leg
@@ -111,12 +112,26 @@ class Pump:
             else:
                 settle(self.finish)
 
+        def stop() -> None:
+            response.close()
+            settle(self.finish)
+
+        self._stop = stop
         response.push(on_body, on_end)
         try:
             return await done
         finally:
+            self._stop = None
             for task in draining:
                 task.cancel()
+
+    def end_now(self) -> bool:
+        """End the leg as if its server closed the stream now (it sent the answer's end and
+        then nothing more); False where this leg is not pushed (an adapted one), or over."""
+        if self._stop is None:
+            return False
+        self._stop()
+        return True
 
     async def _resume_drained(self, response: Response, draining: list[asyncio.Task[None]]) -> None:
         try:

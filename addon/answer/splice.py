@@ -91,6 +91,7 @@ class Splice:
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
         self._finishing = False
+        self._pump: Pump | None = None  # the leg's pump while it is pushed
         self._cancelled = False
         self._notes = Notes(dialect, route.note)
         self._tell_at_first_byte = False  # a migrated leg's note waits for its first token
@@ -210,11 +211,19 @@ class Splice:
 
     def check_pace(self, now: float) -> None:
         """Leave a leg that stalled (like a failed one) or slowed far below its own pace
-        (like an asked-for handoff: it stays if no other server has room)."""
+        (like an asked-for handoff: it stays if no other server has room); end one that
+        stalled after the answer's end as its server would have ended it."""
         pace = self._pace
-        if pace is None or pace.asking is not None or not self.can_cut:
+        if pace is None or pace.asking is not None:
             return
-        if (verdict := pace.verdict(now)) is None:
+        if self._finishing and self._pump is not None:
+            verdict = pace.verdict(now)
+            if verdict is not None and verdict[0] == "stalled" and self._pump.end_now():
+                self._pace = None
+                said = verdict[1]
+                log.info("%s sent the answer's end, then %s: ended there", self.current.url, said)
+            return
+        if not self.can_cut or (verdict := pace.verdict(now)) is None:
             return
         kind, why = verdict
         if kind == "slow":
@@ -432,6 +441,7 @@ class Splice:
             if isinstance(rewriter, Adapter):
                 failure = await pump.run(rewriter.adapt(response.body()), upstream.url)
             else:
+                self._pump = pump
                 failure = await pump.run_pushed(response, upstream.url)
             if failure is not None and pump.closed:
                 self._fleet.mark_down(upstream, "closed the stream mid-answer")
@@ -440,6 +450,7 @@ class Splice:
             self._fleet.mark_down(upstream, str(exc))
             return str(exc)
         finally:
+            self._pump = None
             response.close()
 
     def _may_move(self) -> bool:
