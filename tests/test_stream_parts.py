@@ -12,14 +12,9 @@ from hypothesis import strategies as st
 from addon.formats import sse
 from addon.formats.chat import ChatReader
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
+from addon.formats.pieces import LOGPROBS, TOKEN_IDS, take_pieces, without_pieces
 from addon.formats.toolcalls import ToolCallHold
-from addon.formats.transcript import (
-    LOGPROBS,
-    TOKEN_IDS,
-    Transcript,
-    take_pieces,
-    without_pieces,
-)
+from addon.formats.transcript import Transcript
 from addon.handoff.exact import NativeToChat, native_body
 from addon.servers.upstream import ChunkedBody, LengthBody, UpstreamError
 from scripts.testbed.scripted_upstream import chunked, sse_chunk

@@ -28,17 +28,17 @@ from addon.formats.dialect import (
     json_object,
     read_payloads,
 )
-from addon.formats.sizes import bound
-from addon.formats.startover import NotAContinuation
-from addon.formats.toolcalls import ToolCallHold, calls_chunk
-from addon.formats.transcript import (
+from addon.formats.pieces import (
     LOGPROBS_COUNTED,
     TIMINGS,
-    Transcript,
     server_count,
     take_pieces,
     without_pieces,
 )
+from addon.formats.sizes import bound
+from addon.formats.startover import NotAContinuation
+from addon.formats.toolcalls import ToolCallHold, calls_chunk
+from addon.formats.transcript import Transcript
 from addon.formats.wire import Header, error_event, error_text
 
 SEP = sse.TERMINATOR

@@ -12,8 +12,9 @@ import dataclasses
 from typing import Any
 
 from addon.formats.dialect import EchoStrip, prefilled, unknown_echo, with_fewer_tokens
+from addon.formats.pieces import thought_fields
 from addon.formats.shape import constraint_of, positive_int, text_of
-from addon.formats.transcript import Transcript, thought_fields
+from addon.formats.transcript import Transcript
 
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 

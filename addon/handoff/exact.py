@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from addon.formats.continuation import CHAT_ONLY, ChunkRewriter, token_limit
+from addon.formats.pieces import LOGPROBS_COUNTED, TIMINGS, TOKEN_IDS
 from addon.formats.shape import constraint_of, positive_int
-from addon.formats.transcript import LOGPROBS_COUNTED, TIMINGS, TOKEN_IDS
 from addon.handoff import vllm
 from addon.servers.upstream import Upstream
 

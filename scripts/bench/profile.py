@@ -42,7 +42,7 @@ BUCKETS = (
     ("sse split", ("formats/sse.py",)),
     ("fields", ("formats/wire.py", "formats/chat.py", "formats/shape.py", "formats/sizes.py")),
     ("rewrite", ("formats/continuation.py", "formats/startover.py", "formats/dialect.py")),
-    ("transcript", ("formats/transcript.py",)),
+    ("transcript", ("formats/transcript.py", "formats/pieces.py")),
     ("endpoint", ("answer/endpoint.py",)),
     ("pump, splice", ("answer/pump.py", "answer/splice.py", "answer/pace.py")),
     ("addon, other", ("addon/",)),
