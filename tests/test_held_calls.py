@@ -10,7 +10,8 @@ from typing import Any
 
 from addon.formats.dialect import Step
 from addon.formats.messages import MessagesReader
-from addon.formats.responses import ResponsesReader, ResponsesRewriter
+from addon.formats.responsejoin import ResponsesRewriter
+from addon.formats.responses import ResponsesReader
 from addon.formats.transcript import Transcript
 from tests.test_wire_formats import delivered, event, response_events
 

@@ -13,7 +13,8 @@ from addon.formats.chat import Chat
 from addon.formats.dialect import EchoStrip, Step
 from addon.formats.messages import Messages, MessagesReader, MessagesRewriter
 from addon.formats.ollama import LineSplitter, Ollama, OllamaGenerate, OllamaReader
-from addon.formats.responses import Responses, ResponsesReader, ResponsesRewriter
+from addon.formats.responsejoin import ResponsesRewriter
+from addon.formats.responses import Responses, ResponsesReader
 from addon.formats.transcript import Transcript
 
 
