@@ -18,7 +18,7 @@ import openai
 import pytest
 from mitmproxy import io
 
-from addon.servers.directory import MARKER
+from addon.servers.traits import MARKER
 from scripts.parts.processes import free_port
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump

@@ -16,7 +16,6 @@ is sent there.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -26,8 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
-from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE, Continuer
-from addon.formats.shape import mapping
+from addon.formats.continuers import CONTINUERS, TRAILING_MESSAGE
 from addon.formats.template import ChatTemplate, NoTemplate, read_template
 from addon.servers import engines, proof
 from addon.servers.credentials import Credentials
@@ -38,6 +36,7 @@ from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.identity import dated_template, identity_of
 from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.prompts import PromptQuestions
+from addon.servers.traits import echoes_prefill, tokenizer_fingerprint
 from addon.servers.upstream import Upstream
 from addon.servers.vllm_routes import own_routes
 
@@ -45,14 +44,7 @@ log = logging.getLogger(__name__)
 
 
 QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
-MARKER = "Zq7 "
 REASK_SECONDS = 5.0
-# Text that exercises a tokenizer: words, digits, punctuation, accents, CJK, emoji and
-# the special tokens of common chat templates.
-TOKENIZER_PROBE = (
-    "The quick brown fox, 1234567 über naïve café; 東京 🙂 <|im_start|><|im_end|><s></s>"
-    "<|begin_of_text|><|eot_id|><start_of_turn><end_of_turn>\n\t  x"
-)
 
 
 def _changed(old: dict[str, str], new: dict[str, str]) -> set[str]:
@@ -146,7 +138,7 @@ class ServerDirectory(PromptQuestions):
             if identity_of(props, models) != info.identity:
                 changed.append("what it says it runs")
             elif info.tokenizer is not None and (
-                await self._tokenizer(upstream, info, models) != info.tokenizer
+                await tokenizer_fingerprint(self.asker(upstream), info, models) != info.tokenizer
             ):
                 changed.append("its tokenizer")
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -272,7 +264,7 @@ class ServerDirectory(PromptQuestions):
         # rest fills in as it is answered.
         self.info[upstream] = info
         try:
-            info.tokenizer = await self._tokenizer(upstream, info, models)
+            info.tokenizer = await tokenizer_fingerprint(self.asker(upstream), info, models)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             unanswered(upstream, info, "/tokenize", exc)
         if info.engine == "vllm":
@@ -283,8 +275,8 @@ class ServerDirectory(PromptQuestions):
         if generate and info.echoes_prefill is None:
             try:
                 way = CONTINUERS.get(info.continues_by or "", TRAILING_MESSAGE)
-                info.echoes_prefill = await self._echoes(
-                    upstream, self.own_model(upstream, None), way
+                info.echoes_prefill = await echoes_prefill(
+                    self.asker(upstream), self.own_model(upstream, None), way
                 )
             except (httpx.HTTPError, ValueError) as exc:
                 unanswered(upstream, info, "/v1/chat/completions", exc)
@@ -369,38 +361,3 @@ class ServerDirectory(PromptQuestions):
     def same_tokenizer(self, a: Upstream, b: Upstream) -> bool:
         mine = self.get(a).tokenizer
         return mine is not None and mine == self.get(b).tokenizer
-
-    async def _tokenizer(self, upstream: Upstream, info: ServerInfo, models: Any) -> str | None:
-        """A fingerprint of the model's tokenizer, from its engine, its vocabulary's kind
-        and size (llama-server's `/v1/models` says them) and the ids it makes of a probe
-        text (two engines' ids never count as the same: their tokenizers differ)."""
-        if info.engine == "vllm" and info.model:
-            request = {"model": info.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
-            ids = (await self._ask(upstream, "/tokenize", request))["tokens"]
-            fingerprint = f"vllm/{ids}"
-            return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-        entries = mapping(models).get("data") or [None]
-        meta = mapping(mapping(entries[0]).get("meta"))
-        if "n_vocab" not in meta:
-            return None
-        ids = (await self._ask(upstream, "/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
-        fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
-        return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-
-    async def _echoes(self, upstream: Upstream, model: str | None, way: Continuer) -> bool:
-        body: dict[str, Any] = {"model": model} if model else {}
-        body |= {
-            "messages": [
-                {"role": "user", "content": "Continue."},
-                {"role": "assistant", "content": MARKER},
-            ],
-            "max_tokens": 1,
-            "temperature": 0,
-            "cache_prompt": False,  # nothing of it stays in the server's prompt cache
-        }
-        reply = await self._ask(upstream, "/v1/chat/completions", way.ask(body))
-        try:
-            text = reply["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"unexpected answer: {reply!r:.200}") from exc
-        return str(text).startswith(MARKER)
