@@ -4,8 +4,10 @@ out of a block's bytes before the client sees them."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from typing import Any
+
+import msgspec
 
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # Which pieces the addon asked for itself, in the first server's engine's terms, and so
@@ -62,8 +64,30 @@ def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] 
     return known
 
 
-_DECODER = json.JSONDecoder()
-_SPACE = " \t\r\n"
+_SPACE = b" \t\r\n"
+_KEYS = {
+    TOKEN_IDS: (b'"token_ids":', b'"prompt_token_ids":'),
+    LOGPROBS: (b'"logprobs":',),
+    LOGPROBS_COUNTED: (b'"logprobs":', b'"timings":'),
+    TIMINGS: (b'"timings":',),
+}
+
+
+class _Choice(msgspec.Struct):
+    logprobs: msgspec.Raw = msgspec.Raw()
+    token_ids: msgspec.Raw = msgspec.Raw()
+
+
+class _Chunk(msgspec.Struct):
+    """Where a chat chunk's pieces are, as the bytes of their values (Raw: not decoded)."""
+
+    choices: list[_Choice] = []
+    timings: msgspec.Raw = msgspec.Raw()
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
+
+
+_CHUNKS = msgspec.json.Decoder(list[_Chunk])
+_ALL_KEYS = {key for keys in _KEYS.values() for key in keys}
 
 
 def without_pieces(block: bytes, strip: str) -> bytes | None:
@@ -71,38 +95,60 @@ def without_pieces(block: bytes, strip: str) -> bytes | None:
     `take_pieces` strips them from a parsed chunk: `token_ids` and `prompt_token_ids`
     (vLLM's), or `logprobs` (llama-server's). The rest stays as the server wrote it.
     None where the bytes are not what they seem."""
-    text = block.decode()
-    keys = {
-        TOKEN_IDS: ('"token_ids":', '"prompt_token_ids":'),
-        LOGPROBS: ('"logprobs":',),
-        LOGPROBS_COUNTED: ('"logprobs":', '"timings":'),
-        TIMINGS: ('"timings":',),
-    }[strip]
+    keys = _KEYS[strip]
     try:
+        values = _values(block)
         for key in keys:
-            text = _cut(text, key)
-    except ValueError:
+            block = _cut(block, key, iter(values[key]))
+    except (ValueError, StopIteration, msgspec.MsgspecError):
         return None
-    if any(key[:-1] in text for key in keys):
+    if any(key[:-1] in block for key in keys):
         return None  # written another way ('"logprobs" :'): the parsed way takes it
-    return text.encode()
+    return block
 
 
-def _cut(text: str, key: str) -> str:
-    """`text` without each `key` and its value (and one comma beside them), in one pass:
-    a block read at full speed holds hundreds of chunks, and cutting each out of the
-    whole text again made the block's cost grow with its square."""
-    kept: list[str] = []
+def _values(block: bytes) -> dict[bytes, list[bytes]]:
+    """Each key's values in the block, as written and in the order written, from one read
+    of all its events as a JSON array (an event's JSON holds no raw newline), each only as
+    far as to know where they lie (msgspec skips the rest unparsed)."""
+    if not block.startswith(b"data: ") or not block.endswith(b"\n\n"):
+        raise ValueError("not data lines")
+    chunks = _CHUNKS.decode(b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+    values: dict[bytes, list[bytes]] = {key: [] for key in _ALL_KEYS}
+    logprobs, token_ids = values[b'"logprobs":'], values[b'"token_ids":']
+    timings, prompt_ids = values[b'"timings":'], values[b'"prompt_token_ids":']
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs:
+                logprobs.append(bytes(choice.logprobs))
+            if choice.token_ids:
+                token_ids.append(bytes(choice.token_ids))
+        if chunk.timings:
+            timings.append(bytes(chunk.timings))
+        if chunk.prompt_token_ids:
+            prompt_ids.append(bytes(chunk.prompt_token_ids))
+    return values
+
+
+def _cut(text: bytes, key: bytes, values: Iterator[bytes]) -> bytes:
+    """`text` without each `key` and its value (the next of `values`, as written) and one
+    comma beside them, in one pass: a block read at full speed holds hundreds of chunks,
+    and cutting each out of the whole text again made the block's cost grow with its
+    square."""
+    kept: list[bytes] = []
     done = 0  # text[:done] is settled: in `kept`, or cut
     while (at := text.find(key, done)) >= 0:
         value = at + len(key)
         while text[value] in _SPACE:
             value += 1
-        _, end = _DECODER.raw_decode(text, value)
+        written = next(values)
+        end = value + len(written)
+        if written != text[value:end]:
+            raise ValueError(f"{key!r} is not where its chunk has it")
         after = end
         while after < len(text) and text[after] in _SPACE:
             after += 1
-        if after < len(text) and text[after] == ",":  # a member follows: its comma goes
+        if text[after : after + 1] == b",":  # a member follows: its comma goes
             after += 1
             while after < len(text) and text[after] in _SPACE:
                 after += 1
@@ -112,15 +158,19 @@ def _cut(text: str, key: str) -> str:
         before = at
         while before > done and text[before - 1] in _SPACE:
             before -= 1
-        if before > done and text[before - 1] == ",":  # the last member: the comma before
+        if before > done and text[before - 1 : before] == b",":  # the last member
             kept.append(text[done : before - 1])
-        elif before > done and text[before - 1] == "{" and text[after : after + 1] == "}":
+        elif (
+            before > done and text[before - 1 : before] == b"{" and text[after : after + 1] == b"}"
+        ):
             kept.append(text[done:at])  # the only member
         else:
-            raise ValueError(f"{key} is not a member of an object here")
+            raise ValueError(f"{key!r} is not a member of an object here")
         done = end
+    if next(values, None) is not None:
+        raise ValueError(f"{key!r} is written where its chunk does not have it")
     kept.append(text[done:])
-    return "".join(kept)
+    return b"".join(kept)
 
 
 def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
