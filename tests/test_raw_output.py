@@ -260,7 +260,9 @@ def test_what_the_model_wrote_stays_known_after_the_first_handoff(
     proxy.servers_known()
     body = {**SHAPES["plain"], "max_tokens": ANSWER, "stream": True, "temperature": 0}
     wrote = pieces(first, body)
-    stream = read_cut(proxy, body, [first, middle], (CUT, 2 * CUT))
+    # Slower than read_cut's default: in a loaded run the first fallback once wrote the
+    # rest of its answer before the client reached the second cut's chunk.
+    stream = read_cut(proxy, body, [first, middle], (CUT, 2 * CUT), run_s=0.001, period_s=0.03)
     assert_one_clean_stream(stream)
     assert len(stream.notes) == 2, stream.notes
     said, then = stream.segment_tokens[:2]
