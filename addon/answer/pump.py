@@ -82,7 +82,7 @@ class Pump:
             # own work too): nothing more goes out, nothing is settled twice.
             try:
                 outcome = step()
-            except BaseException as exc:
+            except Exception as exc:
                 if not done.done():
                     done.set_exception(exc)
                 return
@@ -94,7 +94,7 @@ class Pump:
                 return
             try:
                 over = self.feed(data)
-            except BaseException as exc:
+            except Exception as exc:
                 if not done.done():
                     done.set_exception(exc)
                 return
