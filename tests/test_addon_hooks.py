@@ -266,10 +266,20 @@ def test_odd_control_bodies_are_answered_by_the_addon_and_never_forwarded(caplog
                 assert flow.response is not None and flow.response.status_code == status, route
                 assert "error" in json.loads(flow.response.content), route
             assert addon.fleet.router.draining == set()
-            for drained in ("http://127.0.0.1:8082", "http://127.0.0.1:8082/"):
+            spellings = (
+                "http://127.0.0.1:8082", "http://127.0.0.1:8082/", " http://localhost:8082",
+                "http://LOCALHOST:8082/",
+            )  # fmt: skip
+            for drained in spellings:
                 flow = chat_flow(json.dumps({"server": drained}).encode(), path="/spillover/drain")
                 await addon.request(flow)
-                assert flow.response.status_code == 200
+                assert flow.response.status_code == 200, drained
+                assert json.loads(flow.response.content)["server"] == "http://127.0.0.1:8082"
+            assert addon.fleet.router.draining == {"http://127.0.0.1:8082"}
+            for other in ("http://localhost:8083", "https://localhost:8082", "http://example.com"):
+                flow = chat_flow(json.dumps({"server": other}).encode(), path="/spillover/drain")
+                await addon.request(flow)
+                assert flow.response.status_code == 404, other
             assert addon.fleet.router.draining == {"http://127.0.0.1:8082"}
 
     asyncio.run(run())

@@ -21,7 +21,7 @@ from addon.handoff.migration import add_migration_options
 from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
 from addon.servers import keyed
-from addon.servers.addresses import same_server, url_of
+from addon.servers.addresses import same_address, same_server, url_of
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
@@ -303,11 +303,16 @@ class Spillover:
         self._drain(server, False)
 
     def _drain(self, server: str, on: bool) -> dict[str, Any]:
-        """Drain a server of this proxy's (or let it take new requests again); a name
-        that is not one is refused, so what is kept stays bounded."""
-        url, router = server.strip().rstrip("/"), self.fleet.router
-        if url not in {*self.server_urls(), *(u.url for u in self.fleet.servers.info)}:
-            return {"server": url[:200], "error": "not a server of this proxy"}
+        """Drain a server of this proxy's (or let it take new requests again), named by any
+        URL that reaches it; a URL that reaches none is refused, so what is kept stays
+        bounded."""
+        written, router = server.strip().rstrip("/"), self.fleet.router
+        known = [*self.server_urls(), *(u.url for u in self.fleet.servers.info)]
+        url = (
+            written if written in known else next((k for k in known if _reaches(written, k)), None)
+        )
+        if url is None:
+            return {"server": written[:200], "error": "not a server of this proxy"}
         if not on:
             router.draining.discard(url)
             return {"server": url, "state": self.fleet.state(url)}
@@ -369,3 +374,12 @@ def _primary_of(flow: http.HTTPFlow) -> str | None:
     if isinstance(flow.client_conn.proxy_mode, ReverseMode):
         return named
     return named if same_server(named, request.host, request.port) else None
+
+
+def _reaches(written: str, server: str) -> bool:
+    """Whether a URL a person wrote reaches `server` (localhost for 127.0.0.1, the
+    scheme's own port written out), without asking DNS: this runs on the event loop."""
+    try:
+        return same_address(written, server, resolve=False)
+    except ValueError:
+        return False
