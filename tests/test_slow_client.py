@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from addon.servers.upstream import ChunkedBody
+from scripts.bench.paced import resident_mib
 from scripts.bench.splice import MESSAGES, SseSource
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
@@ -30,13 +31,6 @@ def source(server_logs: Path) -> Iterator[SseSource]:
         yield started
 
 
-def resident_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 async def read_after_a_stall(port: int, pid: int) -> tuple[int, float, float]:
     """(events read, the proxy's resident MiB before the stall, and at its end)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -46,9 +40,9 @@ async def read_after_a_stall(port: int, pid: int) -> tuple[int, float, float]:
         b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
     )
     await reader.readuntil(b"\r\n\r\n")
-    before = resident_mib(pid)
+    before = resident_mib([pid])
     await asyncio.sleep(STALL_S)  # reads nothing: the socket fills
-    stalled = resident_mib(pid)
+    stalled = resident_mib([pid])
     body, events, pending = ChunkedBody(), 0, b""
     while not body.complete:
         data = await reader.read(1 << 20)

@@ -87,7 +87,6 @@ class _Chunk(msgspec.Struct):
 
 
 _CHUNKS = msgspec.json.Decoder(list[_Chunk])
-_ALL_KEYS = {key for keys in _KEYS.values() for key in keys}
 
 
 def without_pieces(block: bytes, strip: str) -> bytes | None:
@@ -97,7 +96,7 @@ def without_pieces(block: bytes, strip: str) -> bytes | None:
     None where the bytes are not what they seem."""
     keys = _KEYS[strip]
     try:
-        values = _values(block)
+        values = _values(block, keys)
         for key in keys:
             block = _cut(block, key, iter(values[key]))
     except (ValueError, StopIteration, msgspec.MsgspecError):
@@ -107,25 +106,25 @@ def without_pieces(block: bytes, strip: str) -> bytes | None:
     return block
 
 
-def _values(block: bytes) -> dict[bytes, list[bytes]]:
-    """Each key's values in the block, as written and in the order written, from one read
-    of all its events as a JSON array (an event's JSON holds no raw newline), each only as
-    far as to know where they lie (msgspec skips the rest unparsed)."""
+def _values(block: bytes, keys: tuple[bytes, ...]) -> dict[bytes, list[bytes]]:
+    """The values of `keys` in the block, as written and in the order written, from one
+    read of all its events as a JSON array (an event's JSON holds no raw newline), each
+    only as far as to know where they lie (msgspec skips the rest unparsed)."""
     if not block.startswith(b"data: ") or not block.endswith(b"\n\n"):
         raise ValueError("not data lines")
     chunks = _CHUNKS.decode(b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]")
-    values: dict[bytes, list[bytes]] = {key: [] for key in _ALL_KEYS}
-    logprobs, token_ids = values[b'"logprobs":'], values[b'"token_ids":']
-    timings, prompt_ids = values[b'"timings":'], values[b'"prompt_token_ids":']
+    values: dict[bytes, list[bytes]] = {key: [] for key in keys}
+    logprobs, token_ids = values.get(b'"logprobs":'), values.get(b'"token_ids":')
+    timings, prompt_ids = values.get(b'"timings":'), values.get(b'"prompt_token_ids":')
     for chunk in chunks:
         for choice in chunk.choices:
-            if choice.logprobs:
+            if logprobs is not None and choice.logprobs:
                 logprobs.append(bytes(choice.logprobs))
-            if choice.token_ids:
+            if token_ids is not None and choice.token_ids:
                 token_ids.append(bytes(choice.token_ids))
-        if chunk.timings:
+        if timings is not None and chunk.timings:
             timings.append(bytes(chunk.timings))
-        if chunk.prompt_token_ids:
+        if prompt_ids is not None and chunk.prompt_token_ids:
             prompt_ids.append(bytes(chunk.prompt_token_ids))
     return values
 

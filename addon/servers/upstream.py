@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 
 import h11
 
-READ_SIZE = 65536
 # What a connection holds unread before it stops reading from the socket (as asyncio's
 # StreamReader does at twice its 64 KiB limit): a slow consumer slows the server.
 HELD_UNREAD = 2 * 65536
@@ -88,9 +87,8 @@ class Connection(asyncio.Protocol):
             return
         self._unread.append(data)
         self._unread_bytes += len(data)
-        if self._unread_bytes > HELD_UNREAD and self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        if self._unread_bytes > HELD_UNREAD:
+            self.pause()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -248,11 +246,20 @@ class Response:
             try:
                 data = await self._connection.read()
             except OSError as exc:
-                raise UpstreamError(f"connection lost: {exc!r}") from exc
+                raise self._cut_short(exc) from exc
             if not data:
-                if isinstance(decoder, LengthBody) and decoder.until_close:
+                if (why := self._cut_short(None)) is None:
                     return
-                raise UpstreamError("connection closed mid-body")
+                raise why
+
+    def _cut_short(self, error: OSError | None) -> UpstreamError | None:
+        """Why the body ended when the connection did (with `error`, or closed by the
+        server); None where that is how it ends (a body that runs to the close)."""
+        if error is not None:
+            return UpstreamError(f"connection lost: {error!r}")
+        if isinstance(self._decoder, LengthBody) and self._decoder.until_close:
+            return None
+        return UpstreamError("connection closed mid-body")
 
     def push(
         self, on_body: Callable[[bytes], None], on_end: Callable[[UpstreamError | None], None]
@@ -287,12 +294,7 @@ class Response:
                 end(None)
 
         def lost(error: OSError | None) -> None:
-            if error is not None:
-                end(UpstreamError(f"connection lost: {error!r}"))
-            elif isinstance(decoder, LengthBody) and decoder.until_close:
-                end(None)
-            else:
-                end(UpstreamError("connection closed mid-body"))
+            end(self._cut_short(error))
 
         unread, over, error = connection.take_unread()
         connection.sink, connection.on_end = received, lost
