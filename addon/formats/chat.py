@@ -134,8 +134,7 @@ class ChatReader:
         return [*taken, Event(Step.SEND, event + SEP, (chunk, pieces, made))]
 
     def record(self, payload: tuple[dict[str, Any], Any]) -> None:
-        self.transcript.settle()  # the blocks before it first (`take` did not need them)
-        self.transcript.record(*payload)
+        self.transcript.record_in_turn(payload)  # after the blocks before it
 
     def read_block(self, block: bytes) -> None:
         read_payloads(sse.events(block), sse.parse, self.transcript.record)

@@ -18,6 +18,7 @@ from addon.formats.pieces import (
 )
 
 UNREAD_BYTES = 64 * 1024  # forwarded chunks kept unread at most (see Transcript.record_raw)
+PARSED_CHUNK_BYTES = 1024  # about what one parsed chat chunk's dicts hold, counted as such
 
 
 @dataclass
@@ -68,7 +69,8 @@ class Transcript:
     stops: tuple[str, ...] = ()
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
-    _unread: deque[tuple[bytes, Callable[[bytes], None]]] = field(default_factory=deque)
+    # Blocks forwarded unread and chunks recorded after them, in order: (item, its reading, bytes).
+    _unread: deque[tuple[Any, Callable[[Any], None], int]] = field(default_factory=deque)
     _unread_bytes: int = 0
 
     @property
@@ -86,18 +88,33 @@ class Transcript:
         chunks kept whole (with their token pieces, hundreds of bytes a token) were most
         of what an open stream held. Past that bound one block is read for each that
         comes: answers that stream in step (a batch's) never all read 64 KiB at once."""
+        self._wait(block, read, len(block))
+
+    def record_in_turn(self, payload: tuple[Any, ...]) -> None:
+        """`record(*payload)` once the blocks forwarded unread before it are read: an
+        answer's end comes with chunks taken one by one, and reading every block it left
+        unread there, for nothing, was most of what ending an answer cost."""
+        if self._unread:
+            self._wait(payload, self._record_payload, PARSED_CHUNK_BYTES)
+        else:
+            self.record(*payload)
+
+    def _record_payload(self, payload: tuple[Any, ...]) -> None:
+        self.record(*payload)
+
+    def _wait(self, item: Any, read: Callable[[Any], None], size: int) -> None:
         unread = self._unread
-        unread.append((block, read))
-        self._unread_bytes += len(block)
+        unread.append((item, read, size))
+        self._unread_bytes += size
         while self._unread_bytes > UNREAD_BYTES:
-            oldest, read_oldest = unread.popleft()
-            self._unread_bytes -= len(oldest)
+            oldest, read_oldest, its_size = unread.popleft()
+            self._unread_bytes -= its_size
             read_oldest(oldest)
 
     def settle(self) -> None:
         unread, self._unread, self._unread_bytes = self._unread, deque(), 0
-        for block, read in unread:
-            read(block)
+        for item, read, _ in unread:
+            read(item)
 
     def timed(self, chunk: dict[str, Any]) -> None:
         """A leg's last chunk: how long its server took to read the prompt, if it says."""

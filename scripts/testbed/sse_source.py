@@ -6,6 +6,9 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
     python -m scripts.testbed.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
 
+Paced streams share one step clock: every open stream's next event is written at the same
+tick, back to back, as a GPU server writes a batch's tokens after each decode step.
+
 With "logprobs": true (or llama.cpp's own "n_probs": 1) each chunk carries its token's id,
 as llama-server's do (and with
 "timings_per_token": true its `timings`); with
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 
@@ -111,12 +115,13 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             if big := int(body.get("big_event_mib", 0)):
                 await send_big_event(writer, big)
             if interval:
-                # On a schedule, as a decode step writes (a late event does not delay the next).
-                start = time.monotonic()
+                # On one clock for every stream, as a batched decode step writes all its
+                # sequences' tokens at once; a late event does not delay the next.
+                start = math.ceil(time.monotonic() / interval) * interval
                 for i in range(count):
+                    await asyncio.sleep(max(0.0, start + i * interval - time.monotonic()))
                     writer.write(framed(chunk(i, ids=ids, timed=timed)))
                     await writer.drain()
-                    await asyncio.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
             else:
                 for start in range(0, count, BATCH):
                     end = min(count, start + BATCH)
