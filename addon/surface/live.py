@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 class _Live:
     splice: Splice
     token: str
-    origin: tuple[str, str, int]  # scheme, host, port the request was bound for
-    http_version: str  # the client's (the endpoint is asked in HTTP/1.1, see `start`)
+    origin: tuple[bytes, str, int]  # scheme, host, port the request was bound for
+    http_version: bytes  # the client's (the endpoint is asked in HTTP/1.1, see `start`)
 
 
 class LiveAnswers:
@@ -41,15 +41,17 @@ class LiveAnswers:
 
     def start(self, flow: http.HTTPFlow, splice: Splice) -> None:
         """Start the splice's first leg now and send the flow to the endpoint for it."""
-        request = flow.request
-        live = _Live(splice, "", (request.scheme, request.host, request.port), request.http_version)
+        # The request's own fields, not their setters: those rewrite its Host header too,
+        # there and back, for nothing (the endpoint reads no Host), on every answer.
+        data = flow.request.data
+        live = _Live(splice, "", (data.scheme, data.host, data.port), data.http_version)
         self.by_flow[flow.id] = live
         live.token = self.endpoint.expect(splice)
-        request.scheme, request.host, request.port = "http", "127.0.0.1", self.endpoint.port
+        data.scheme, data.host, data.port = b"http", "127.0.0.1", self.endpoint.port
         # So that the endpoint frames a stream as llama-server does for any client
         # (chunked), not as h11 must for an HTTP/1.0 one (until the connection closes).
-        request.http_version = "HTTP/1.1"
-        request.headers[TOKEN_HEADER] = live.token
+        data.http_version = b"HTTP/1.1"
+        flow.request.headers[TOKEN_HEADER] = live.token
 
     def answering(self, flow: http.HTTPFlow) -> Splice | None:
         """The response has begun: the request, sent to the endpoint, is shown and
@@ -57,8 +59,9 @@ class LiveAnswers:
         live = self.by_flow.get(flow.id)
         if live is None:
             return None
-        flow.request.scheme, flow.request.host, flow.request.port = live.origin
-        flow.request.http_version = live.http_version
+        data = flow.request.data
+        data.scheme, data.host, data.port = live.origin
+        data.http_version = live.http_version
         flow.request.headers.pop(TOKEN_HEADER, None)
         return live.splice
 
