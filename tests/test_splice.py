@@ -192,10 +192,8 @@ def test_primary_killed_at_random_points(start_server, start_proxy, fallback: Ll
     rng = random.Random(7)
     for _ in range(4):
         primary = start_server("primary")
+        # A kill may land before the fallback is proven (the answer waits for the proof).
         proxy = start_proxy(primary.url, [fallback.url])
-        # Before the fallback is proven to continue, a cut answer ends in-band ("not
-        # checked yet"): a loaded run once killed the primary at its 167th chunk 130 ms in.
-        proxy.servers_known()
         cut = rng.randint(1, 180)
         stream = read_stream(
             proxy.url, chat_body(LONG), on_chunk=lambda n, p=primary, c=cut: n == c and p.kill()
@@ -206,6 +204,40 @@ def test_primary_killed_at_random_points(start_server, start_proxy, fallback: Ll
         assert stream.segment_tokens[0] >= cut - 1
         primary_after = start_server("primary")
         assert_exact_splice(stream, primary_after.url, fallback.url, LONG)
+
+
+def test_an_answer_cut_before_its_fallback_is_proven_waits_for_the_proof(
+    start_server, start_proxy, fallback: LlamaServer
+) -> None:
+    """The primary dies while the proxy is still proving its fallback (held stopped from
+    before the proxy starts until after the kill, as a fallback still loading its model
+    answers nothing): the answer waits for the proof under way and goes on there, exactly,
+    instead of ending in-band for want of it ("not checked yet")."""
+    primary = start_server("primary")
+    resumed: list[float] = []
+
+    def resume_fallback() -> None:
+        os.kill(fallback.pid, signal.SIGCONT)
+        resumed.append(time.monotonic())
+
+    resume = threading.Timer(0.5, resume_fallback)
+
+    def kill_at_the_fifth(n: int) -> None:
+        if n == 5 and not resume.is_alive() and not resumed:
+            primary.kill()
+            resume.start()
+
+    os.kill(fallback.pid, signal.SIGSTOP)
+    try:
+        proxy = start_proxy(primary.url, [fallback.url])
+        stream = read_stream(proxy.url, chat_body(LONG), on_chunk=kill_at_the_fifth)
+    finally:
+        resume.cancel()
+        os.kill(fallback.pid, signal.SIGCONT)
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1 and "127.0.0.1" in stream.notes[0]
+    assert resumed  # the kill came while the fallback was held
+    assert_exact_splice(stream, start_server("primary").url, fallback.url, LONG)
 
 
 def test_in_band_error_from_the_primary_hands_off(start_proxy, fallback: LlamaServer) -> None:

@@ -51,6 +51,10 @@ class Ladder:
         self.failed.add(self.at)
         return self.would_go()
 
+    def left(self) -> list[Upstream]:
+        """The servers that have not failed the answer."""
+        return [server for i, server in enumerate(self.servers) if i not in self.failed]
+
     def would_go(self) -> int | None:
         """Where the answer would go if the current server failed it now."""
         above = [i for i in range(self.at) if i not in self.failed and self.admits(self.servers[i])]

@@ -37,6 +37,7 @@ from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
 
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
+PROOF_WAIT_S = 20.0  # the most a cut answer waits for its servers' proofs under way
 log = logging.getLogger(__name__)
 
 
@@ -286,7 +287,7 @@ class Splice:
                 self._rungs.failed.discard(self._rungs.at)
                 continue
             if target is None:
-                target = self._rungs.after_failure()
+                target = await self._after_failure()
             if target is None and (wait := self._early.retry_soon(client.started)) is not None:
                 log.info("%s is asked again in %.2f s (it asked to wait)", self.current.url, wait)
                 await asyncio.sleep(wait)
@@ -304,6 +305,14 @@ class Splice:
                 self._give_up(client, failure + unproven)
                 return
             self._announce(failure, kind, decided, target)
+
+    async def _after_failure(self) -> int | None:
+        """Where the answer goes now that its server failed it. An unproven server cannot
+        go on with it: one whose proof is under way (a cut soon after start) is waited for."""
+        target = self._rungs.after_failure()
+        if target is None and await self._fleet.servers.learnt(self._rungs.left(), PROOF_WAIT_S):
+            target = self._rungs.would_go()
+        return target
 
     def _announce(self, reason: str, kind: str, decided: float, target: int) -> None:
         source = self.current

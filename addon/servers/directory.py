@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -59,7 +59,7 @@ class ServerDirectory(PromptQuestions):
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._asked: dict[Upstream, float] = {}
-        self._probing: set[Upstream] = set()
+        self._probing: dict[Upstream, asyncio.Future[Any]] = {}  # being learnt now
         self._reasks: set[asyncio.TimerHandle] = set()
         self._named: dict[str, str] = {}  # server -> the model it is asked in
         self._template_files: dict[str, str] = {}  # server -> its model's template file
@@ -113,11 +113,11 @@ class ServerDirectory(PromptQuestions):
         """`probe` again, unless it is being probed now."""
         if upstream in self._probing:
             return
-        self._probing.add(upstream)
+        probe = self._probing[upstream] = asyncio.ensure_future(self.probe(upstream, generate))
         try:
-            await self.probe(upstream, generate)
+            await probe
         finally:
-            self._probing.discard(upstream)
+            self._probing.pop(upstream, None)
 
     async def recheck(self, upstream: Upstream, generate: bool) -> str | None:
         """Whether `upstream` still runs what it was proven on (what it says of its model
@@ -174,9 +174,17 @@ class ServerDirectory(PromptQuestions):
             if upstream in self._asked and now - self._asked[upstream] < REASK_SECONDS:
                 continue
             self._asked[upstream] = now
-            self._probing.add(upstream)
-            task = self._in_background(self.probe(upstream, fallbacks))
-            task.add_done_callback(lambda _, server=upstream: self._probing.discard(server))
+            task = self._probing[upstream] = self._in_background(self.probe(upstream, fallbacks))
+            task.add_done_callback(lambda _, server=upstream: self._probing.pop(server, None))
+
+    async def learnt(self, upstreams: Iterable[Upstream], within: float) -> bool:
+        """Wait, `within` seconds at most, until what is being learnt of these servers now
+        is known; False where nothing was (an answer cut before its fallback is proven
+        waits for the proof under way, rather than end for want of it)."""
+        under_way = [self._probing[u] for u in upstreams if u in self._probing]
+        if under_way:
+            await asyncio.wait(under_way, timeout=within)  # the probes run on if it ends
+        return bool(under_way)
 
     def _in_background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         """Run `work` on its own, cancelled by `close`."""
