@@ -1,6 +1,6 @@
-"""A splice starts its first leg from the request hook, before mitmproxy has finished the
-flow's other hooks. When another addon answers or kills the flow after that, the leg must
-stop: the primary is not left writing an answer nobody reads."""
+"""A flow the spillover addon has taken can still be answered or killed by another addon
+after its request hook: then no leg must run (the splice starts when the flow reaches the
+endpoint), and the primary is not left writing an answer nobody reads."""
 
 from __future__ import annotations
 

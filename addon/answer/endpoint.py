@@ -4,8 +4,10 @@ mitmproxy cannot feed an open response from an addon, so spliced flows are re-po
 here. Each request carries a token naming its `Splice`; the endpoint writes its one
 chunked response back to mitmproxy, which streams it to the client. Owning the response
 lets the answer go on from another server after the first one is dropped. A splice
-starts when it is expected, not when mitmproxy's request arrives: its first leg is under
-way while mitmproxy finishes the flow's hooks and connects here.
+starts when its request arrives here: started in mitmproxy's request hook instead, its
+first leg gained nothing measurable on the first token, and when hundreds of answers
+were asked at once their servers wrote into the proxy while it was still taking the
+requests (events queued there for up to a second, the first tokens 3x later).
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 
 import h11
 
 from addon.answer.splice import Splice
-from addon.formats.wire import ClientStream, Header, framed
+from addon.formats.wire import Header, framed
 
 TOKEN_HEADER = "x-spillover-splice"
 log = logging.getLogger(__name__)
@@ -77,65 +77,10 @@ class HttpClientStream:
         return self._transport.get_write_buffer_size() > self._high_water
 
 
-class HeldClient:
-    """What a splice writes before the endpoint's connection for it arrives, passed on to
-    that connection once it does, and straight through from then on."""
-
-    def __init__(self) -> None:
-        self._target: ClientStream | None = None
-        self._held: list[Callable[[ClientStream], None]] = []
-        self.started = False
-        self.ended = False
-
-    def attach(self, target: ClientStream) -> None:
-        self._target = target
-        for operation in self._held:
-            operation(target)
-        self._held.clear()
-        self.write = target.write  # type: ignore[method-assign]  # straight through now
-        self.backed_up = target.backed_up  # type: ignore[method-assign]
-
-    def _do(self, operation: Callable[[ClientStream], None]) -> None:
-        if self._target is None:
-            self._held.append(operation)
-        else:
-            operation(self._target)
-
-    def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
-        self.started = True
-        self._do(lambda target: target.start(status, headers, reason))
-
-    def write(self, data: bytes) -> None:
-        self._do(lambda target: target.write(data))
-
-    def end(self, last: bytes = b"") -> None:
-        if not self.ended:
-            self.ended = True
-            self._do(lambda target: target.end(last))
-
-    def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
-        self.started = self.ended = True
-        self._do(lambda target: target.respond(status, headers, body, reason))
-
-    async def drain(self) -> None:
-        if self._target is not None:
-            await self._target.drain()
-
-    def backed_up(self) -> bool:
-        return self._target is not None and self._target.backed_up()
-
-
-@dataclass
-class _Started:
-    splice: Splice
-    client: HeldClient
-    run: asyncio.Future[None]
-
-
 class SpliceEndpoint:
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
-        self._waiting: dict[str, _Started] = {}
+        self._waiting: dict[str, Splice] = {}  # by token, until its request arrives
         self.port = 0
 
     async def start(self) -> None:
@@ -152,23 +97,16 @@ class SpliceEndpoint:
         return self._server is not None
 
     def expect(self, splice: Splice) -> str:
-        """Start a splice; the returned token goes in the re-pointed request, whose
-        connection gets what the splice writes."""
+        """A splice to run when its request arrives; the returned token goes in the
+        re-pointed request, whose connection gets what the splice writes."""
         token = secrets.token_hex(16)
-        client = HeldClient()
-        run = asyncio.ensure_future(splice.run(client))
-        run.add_done_callback(_log_failure)
-        self._waiting[token] = _Started(splice, client, run)
+        self._waiting[token] = splice
         return token
 
     def forget(self, token: str) -> bool:
-        """Stop a splice whose request never arrived (its flow ended before: killed, or
+        """Drop a splice whose request never arrived (its flow ended before: killed, or
         answered by another addon); False if it had arrived."""
-        started = self._waiting.pop(token, None)
-        if started is None:
-            return False
-        started.splice.cancel()
-        return True
+        return self._waiting.pop(token, None) is not None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER)
@@ -178,13 +116,14 @@ class SpliceEndpoint:
                 if request is None:
                     return
                 token = dict(request.headers).get(TOKEN_HEADER.encode(), b"").decode()
-                started = self._waiting.pop(token, None)
+                splice = self._waiting.pop(token, None)
                 client = HttpClientStream(conn, writer)
-                if started is None:
+                if splice is None:
                     client.respond(502, [(b"content-type", b"text/plain")], b"unknown splice\n")
                 else:
-                    started.client.attach(client)
-                    await _run_until_client_leaves(started.splice, started.run, client, reader)
+                    run = asyncio.ensure_future(splice.run(client))
+                    run.add_done_callback(_log_failure)
+                    await _run_until_client_leaves(splice, run, client, reader)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()

@@ -40,7 +40,7 @@ class LiveAnswers:
         return live.splice if (live := self.by_flow.get(flow_id)) is not None else None
 
     def start(self, flow: http.HTTPFlow, splice: Splice) -> None:
-        """Start the splice's first leg now and send the flow to the endpoint for it."""
+        """Send the flow to the endpoint, where the splice runs once it arrives."""
         # The request's own fields, not their setters: those rewrite its Host header too,
         # there and back, for nothing (the endpoint reads no Host), on every answer.
         data = flow.request.data

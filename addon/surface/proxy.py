@@ -264,7 +264,7 @@ class Spillover:
             "handoffs": [],
             "exact_replay": self.fleet.exact,
         }
-        self.live.start(flow, splice)  # the first leg starts now
+        self.live.start(flow, splice)  # it runs once the flow reaches the endpoint
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
