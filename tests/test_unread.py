@@ -6,7 +6,18 @@ turn: ending an answer reads nothing it left unread."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from mitmproxy import io
+
+from addon.formats import sse
+from addon.formats.chat import ChatReader
+from addon.formats.dialect import read_payloads
 from addon.formats.transcript import UNREAD_BYTES, Transcript
+from scripts.testbed.sse_source import chunk
+
+RECORDINGS = Path(__file__).resolve().parent.parent / "recordings"
 
 
 def test_blocks_are_read_in_order_once_enough_wait() -> None:
@@ -42,3 +53,48 @@ def test_a_chunk_taken_after_unread_blocks_waits_its_turn() -> None:
     assert transcript.text == "one two three" and transcript.produced == 3
     transcript.record_in_turn((_chunk(" four"),))  # nothing waits: recorded at once
     assert transcript.text == "one two three four"
+
+
+def _recorded_chat_events() -> list[list[bytes]]:
+    """Each recorded chat stream's data events, as llama-server wrote them (and the
+    addon's stitched ones: every `data: {` event of every recorded chat answer)."""
+    streams = []
+    for path in sorted(RECORDINGS.glob("*.mitm")):
+        with path.open("rb") as file:
+            for flow in io.FlowReader(file).stream():
+                body = flow.response.content if getattr(flow, "response", None) else None
+                if body and b'"chat.completion.chunk"' in body:
+                    events = [e + b"\n\n" for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+                    streams.append(events)
+    return streams
+
+
+def _state(transcript: Transcript) -> dict:
+    return {k: v for k, v in vars(transcript).items() if not k.startswith("_")}
+
+
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_a_block_read_in_one_decode_reads_as_event_by_event(size: int) -> None:
+    """Blocks forwarded unread are read with one msgspec decode of the block when its
+    events are one-line `data:` objects: the transcript is the one the event-by-event
+    read gives, on every recorded chat answer (with its token pieces and timings), and on
+    blocks that one decode cannot take (read event by event instead)."""
+    odd = [
+        b'data: {"id":"c","choices":[{"index":0,\ndata: "delta":{"content":" two"}}]}\n\n',
+        b'id: 7\ndata: {"id":"c","choices":[{"index":0,"delta":{"content":" x"}}]}\n\n',
+        b'data:{"id":"c","choices":[{"index":0,"delta":{"content":" y"}}]}\n\n',
+    ]
+    streams = [*_recorded_chat_events(), odd, [chunk(i, ids=True, timed=True) for i in range(40)]]
+    assert len(streams) > 10
+    for events in streams:
+        blocks = [b"".join(events[i : i + size]) for i in range(0, len(events), size)]
+        one, other = Transcript(), Transcript()
+        for transcript in (one, other):
+            transcript.begin_leg("http://127.0.0.1:1", raw_pieces=True)
+        reader = ChatReader(one, None, None, "http://127.0.0.1:1")
+        for block in blocks:
+            reader.read_block(block)
+            read_payloads(sse.events(block), sse.parse, other.record)
+        assert _state(one) == _state(other)
+    assert sse.objects(odd[0]) is None and sse.objects(odd[1]) is None
+    assert sse.objects(b"".join(streams[-1][:3])) is not None

@@ -137,7 +137,11 @@ class ChatReader:
         self.transcript.record_in_turn(payload)  # after the blocks before it
 
     def read_block(self, block: bytes) -> None:
-        read_payloads(sse.events(block), sse.parse, self.transcript.record)
+        if (chunks := sse.objects(block)) is None:
+            read_payloads(sse.events(block), sse.parse, self.transcript.record)
+            return
+        for chunk in chunks:
+            self.transcript.record(chunk)
 
     def close(self) -> bytes | None:
         # The server finished its answer and died before [DONE]: the answer is whole.

@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+from addon.formats import sse
+
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # Which pieces the addon asked for itself, in the first server's engine's terms, and so
 # takes out again before the client sees them (see handoff/exact.py).
@@ -110,9 +112,7 @@ def _values(block: bytes, keys: tuple[bytes, ...]) -> dict[bytes, list[bytes]]:
     """The values of `keys` in the block, as written and in the order written, from one
     read of all its events as a JSON array (an event's JSON holds no raw newline), each
     only as far as to know where they lie (msgspec skips the rest unparsed)."""
-    if not block.startswith(b"data: ") or not block.endswith(b"\n\n"):
-        raise ValueError("not data lines")
-    chunks = _CHUNKS.decode(b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+    chunks = _CHUNKS.decode(sse.as_array(block))
     values: dict[bytes, list[bytes]] = {key: [] for key in keys}
     logprobs, token_ids = values.get(b'"logprobs":'), values.get(b'"token_ids":')
     timings, prompt_ids = values.get(b'"timings":'), values.get(b'"prompt_token_ids":')
