@@ -19,22 +19,19 @@ from addon.answer.decide import Decision
 from addon.answer.early import EarlyRefusals
 from addon.answer.fleet import Fleet, Route
 from addon.answer.ladder import Ladder
+from addon.answer.legs import Legs
 from addon.answer.notes import Notes
 from addon.answer.pace import Pace
-from addon.answer.pump import Pump
 from addon.answer.resume import Resume
 from addon.answer.stillreading import still_reading
-from addon.formats.dialect import Adapter, Dialect, Rewriter
+from addon.formats.dialect import Dialect
 from addon.formats.transcript import Transcript, stop_strings
 from addon.formats.wire import ClientStream, Header, asks_to_close, forwardable
 from addon.handoff.exact import first_leg_asks
-from addon.handoff.nextleg import NextLeg, rerouted
+from addon.handoff.nextleg import NextLeg
 from addon.handoff.record import Handoff
-from addon.handoff.seen import prefill_echoed
-from addon.servers.credentials import redacted
-from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
-from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
+from addon.servers.upstream import Upstream
 
 BACK_FROM = {"pressure", "slow", "route"}  # why an answer left the primary: hand back undoes
 PROOF_WAIT_S = 20.0  # the most a cut answer waits for its servers' proofs under way
@@ -71,12 +68,11 @@ class Splice:
             self.headers.append((b"connection", b"close"))
         self._fleet = fleet
         self._answer = answer
-        self._accepted = False  # the primary has answered: the client is one it lets in
         self.body = body
         self.ladder = list(route.ladder)
         servers = fleet.servers
         # Token-exact replay needs the first leg's token ids (see handoff/exact.py).
-        self.asks_ids, self._strip_pieces, self.raw_body = first_leg_asks(
+        self.asks_ids, strip_pieces, self.raw_body = first_leg_asks(
             path, body, raw_body, self.ladder, servers if fleet.exact else None
         )
         self.transcript = Transcript(stops=stop_strings(body))
@@ -84,22 +80,23 @@ class Splice:
         self.streaming = dialect.streaming(body)
         self._next = NextLeg(path, dialect, body, self.transcript, servers, self.asks_ids)
         self._on_handoff = on_handoff
-        self._on_exchange = on_exchange
         self.primary = route.primary
         self._locked = route.locked
         self._rungs = Ladder(self.ladder, fleet.state, self._admits)
         self._leg_task: asyncio.Future[str | None] | None = None
         self._moving = False  # a handoff is being checked or carried out
         self._pending: tuple[str, str, float, int | None] | None = None  # why, kind, when, where
-        self._finishing = False
-        self._pump: Pump | None = None  # the leg's pump while it is pushed
         self._cancelled = False
-        self._notes = Notes(dialect, route.note)
-        self._tell_at_first_byte = False  # a migrated leg's note waits for its first token
-        self._limits = fleet.pace
-        self._pace: Pace | None = None  # the current leg's
         self._early = EarlyRefusals(fleet, self.ladder, self._rungs)
-        self._resume = Resume(fleet, self._next, answer, self.primary, self._admits)
+        self._legs = Legs(
+            path=path, dialect=dialect, body=body, raw_body=self.raw_body, headers=self.headers,
+            streaming=self.streaming, strip_pieces=strip_pieces, primary=self.primary,
+            fleet=fleet, transcript=self.transcript, handoffs=self.handoffs, early=self._early,
+            resume=Resume(fleet, self._next, answer, self.primary, self._admits),
+            notes=Notes(dialect, route.note), may_move=self._may_move,
+            handing_off=lambda: self._pending is not None, on_handoff=on_handoff,
+            on_exchange=on_exchange,
+        )  # fmt: skip
         spaced = lambda: self._spaced  # noqa: E731
         self._decision = Decision(self._next, self.ladder, self._admits, spaced, fleet, answer)
 
@@ -108,7 +105,9 @@ class Splice:
         (see servers/credentials.py), and once text has gone out as a turn to continue,
         the server is proven to continue one (another would start a new answer)."""
         fleet = self._fleet
-        if not fleet.credentials.admits(server.url, self.primary.url, self._locked, self._accepted):
+        if not fleet.credentials.admits(
+            server.url, self.primary.url, self._locked, self._legs.accepted
+        ):
             return False
         if not self.dialect.continues_a_turn(self.body):
             return True
@@ -202,7 +201,7 @@ class Splice:
     @property
     def can_cut(self) -> bool:
         leg = self._leg_task
-        return leg is not None and not leg.done() and not self._finishing and not self._pending
+        return leg is not None and not leg.done() and not self._legs.finishing and not self._pending
 
     def _cut(self, reason: str, kind: str, decided: float, target: int | None) -> None:
         """Drop the current leg now; `run` goes on at `target` (None: as after a failure)."""
@@ -214,13 +213,14 @@ class Splice:
         """Leave a leg that stalled (like a failed one) or slowed far below its own pace
         (like an asked-for handoff: it stays if no other server has room); end one that
         stalled after the answer's end as its server would have ended it."""
-        pace = self._pace
+        legs = self._legs
+        pace = legs.pace
         if pace is None or pace.asking is not None:
             return
-        if self._finishing and self._pump is not None:
+        if legs.finishing and legs.pump is not None:
             verdict = pace.verdict(now)
-            if verdict is not None and verdict[0] == "stalled" and self._pump.end_now():
-                self._pace = None
+            if verdict is not None and verdict[0] == "stalled" and legs.pump.end_now():
+                legs.pace = None
                 said = verdict[1]
                 log.info("%s sent the answer's end, then %s: ended there", self.current.url, said)
             return
@@ -239,7 +239,7 @@ class Splice:
         upstream = self.current
         reading = await still_reading(upstream.url, self._fleet.question_headers(upstream.url))
         pace.asking = None
-        if pace is not self._pace or pace.first is not None or not self.can_cut:
+        if pace is not self._legs.pace or pace.first is not None or not self.can_cut:
             return
         if reading is not None:
             log.info("%s is still at work (%s): waiting as long again", upstream.url, reading)
@@ -248,7 +248,7 @@ class Splice:
             self._leave_stalled(why, time.monotonic())
 
     def _leave_stalled(self, why: str, now: float) -> None:
-        self._pace = None
+        self._legs.pace = None
         self._fleet.mark_down(self.current, why)
         self._cut(f"{self.current.url}: {why}", "stalled", now, None)
 
@@ -263,7 +263,7 @@ class Splice:
         if self.streaming and len(self.ladder) > 1 and renderings and self.dialect.name == "chat":
             renderings.keep_the_date(self.current)
         while True:
-            self._leg_task = asyncio.ensure_future(self._leg(client))
+            self._leg_task = asyncio.ensure_future(self._legs.stream(client, self.current))
             try:
                 failure = await self._leg_task
                 kind, decided, target = "failure", time.monotonic(), None
@@ -342,145 +342,9 @@ class Splice:
         else:
             client.respond(502, *self.dialect.refusal(message))
 
-    async def _leg(self, client: ClientStream) -> str | None:
-        """Stream one leg into the client. None when the answer is complete, otherwise
-        why the leg failed."""
-        upstream = self.current
-        self._early.new_leg()
-        self._pace = Pace(time.monotonic(), self._limits) if self._limits.enabled() else None
-        restored: int | None = None  # a migration's slot on `upstream` that holds the answer
-        try:
-            if not self.handoffs:
-                body = self.raw_body
-                if upstream != self.primary:
-                    own = self._fleet.servers.own_model(upstream, self.body.get("model"))
-                    body = rerouted(self.body, body, own)
-                path, rewriter = self.path, None
-            else:
-                prepared = await self._resume.prepare(upstream, self.handoffs[-1])
-                request, restored = prepared.request, prepared.restored
-                if isinstance(request, str) or restored is None:
-                    self._notes.tell(client, self.handoffs)
-                else:
-                    # What the restore saved is known at its first token: told with it.
-                    self._tell_at_first_byte = True
-                if isinstance(request, str):
-                    return request
-                path, body, rewriter = request
-            return await self._stream_leg(client, upstream, path, body, rewriter)
-        finally:
-            if self._tell_at_first_byte:  # the leg ended before its first byte
-                self._tell_at_first_byte = False
-                self._notes.tell(client, self.handoffs)
-            if restored is not None:
-                self._resume.release(upstream, restored)
-
-    async def _stream_leg(
-        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
-        rewriter: Rewriter | None,
-    ) -> str | None:  # fmt: skip
-        headers = self._fleet.credentials.leg_headers(
-            upstream.url, self.headers, upstream == self.primary, self._accepted
-        )
-        exchange = Exchange(
-            upstream.url, "POST", path, redacted(sent_headers(upstream, body, headers)), body,
-            purpose="leg", leg=len(self.handoffs),
-        )  # fmt: skip
-        try:
-            failure = await self._exchange(
-                client, upstream, path, body, headers, rewriter, exchange
-            )
-        except asyncio.CancelledError:
-            exchange.end("handed off" if self._pending is not None else "cancelled")
-            raise
-        else:
-            exchange.end("complete" if failure is None else "failed", failure)
-        finally:
-            if self._on_exchange is not None:
-                self._on_exchange(exchange)
-        return failure
-
-    async def _exchange(
-        self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
-        headers: list[Header], rewriter: Rewriter | None, exchange: Exchange,
-    ) -> str | None:  # fmt: skip
-        if self._pace is not None:
-            read_ms = self._fleet.migrator.rates.read_ms.get(upstream.url)
-            firsts = self._fleet.first_events
-            self._pace.first_token_s = self._limits.first_token_deadline(
-                len(body), read_ms, firsts.of(upstream.url)
-            )
-            self._pace.on_first = lambda seconds: firsts.saw(upstream.url, len(body), seconds)
-        try:
-            response = await post(upstream, path, body, headers)
-        except UpstreamError as exc:
-            self._fleet.mark_down(upstream, str(exc))
-            return str(exc)
-        exchange.respond(response.status, response.headers)
-        if self._pace is not None:
-            self._pace.saw(time.monotonic())
-        if upstream == self.primary and 200 <= response.status < 300:
-            self._accepted = True
-        if self._on_exchange is not None:
-            response.tap = exchange.keep
-        try:
-            if response.status != 200:
-                return await self._early.refused(
-                    response, upstream, path, client, self.primary, not self.handoffs
-                )
-            if not self.streaming:
-                answer = await response.read_all()
-                notes = self._notes.headers(self.handoffs)
-                client.respond(200, [*response.headers, *notes], answer, response.reason)
-                return None
-            if not client.started:
-                client.start(200, list(response.headers), response.reason)
-            self._notes.release(client)
-            info = self._fleet.servers.get(upstream)
-            raw_pieces = info.engine in RENDERS_ON_ASKING
-            echoes = prefill_echoed(self.body, info)  # where it writes the answer's first text
-            self.transcript.begin_leg(upstream.url, info.tokenizer, raw_pieces, echoes)
-            strip = self._strip_pieces
-            reader = self.dialect.reader(self.transcript, rewriter, strip, upstream.url)
-            pump = Pump(
-                client, self.transcript, reader, self._pace,
-                flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
-                may_move=self._may_move,
-            )  # fmt: skip
-            if isinstance(rewriter, Adapter):
-                failure = await pump.run(rewriter.adapt(response.body()), upstream.url)
-            else:
-                self._pump = pump
-                failure = await pump.run_pushed(response, upstream.url)
-            if failure is not None and pump.closed:
-                self._fleet.mark_down(upstream, "closed the stream mid-answer")
-            return failure
-        except UpstreamError as exc:
-            self._fleet.mark_down(upstream, str(exc))
-            return str(exc)
-        finally:
-            self._pump = None
-            response.close()
-
     def _may_move(self) -> bool:
         """Whether another server could go on with the answer if this leg failed now."""
         self.transcript.settle()
         if self.dialect.cannot_continue(self.body, self.transcript) is not None:
             return False
         return self._rungs.would_go() is not None
-
-    def _mark_finishing(self) -> None:
-        self._finishing = True
-
-    def _flush(self, client: ClientStream, out: list[bytes]) -> None:
-        if not out:
-            return
-        if self._tell_at_first_byte:
-            self._tell_at_first_byte = False
-            self._notes.tell(client, self.handoffs)
-        client.write(b"".join(out))
-        if self.handoffs and self.handoffs[-1].pause_ms is None:
-            handoff = self.handoffs[-1]
-            handoff.pause_ms = (time.monotonic() - handoff.decided) * 1000
-            self._on_handoff(handoff)
-            log.info("%s %s", handoff.kind, handoff.describe())
