@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 class HttpClientStream:
     """A chunked HTTP/1.1 response written through h11 to one endpoint connection."""
 
-    def __init__(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, conn: h11.Connection, connection: _Connection) -> None:
         self._conn = conn
-        self._writer = writer
-        self._transport = writer.transport
+        self._connection = connection
+        self._transport = connection.transport
         self._high_water = self._transport.get_write_buffer_limits()[1]
         self.started = False
         self.ended = False
@@ -41,13 +41,13 @@ class HttpClientStream:
         self.started = True
         headers = framed(headers, (b"Transfer-Encoding", b"chunked"))  # as llama-server does
         head = h11.Response(status_code=status, headers=headers, reason=reason or _phrase(status))
-        self._writer.write(_in_order(self._conn.send(head) or b"", headers))
+        self._transport.write(_in_order(self._conn.send(head) or b"", headers))
 
     def write(self, data: bytes) -> None:
         if data and not self.ended:
             # Framed here: the hot path, where h11's own checks cost more than the write.
             # h11 keeps no count of a chunked body, so its state stays true for end().
-            self._writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self._transport.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def end(self, last: bytes = b"") -> None:
         if self.ended:
@@ -56,7 +56,7 @@ class HttpClientStream:
         # One write: a client that hangs up right after [DONE] must not find the
         # terminating chunk still unsent (mitmproxy would drop the stored body).
         tail = self._conn.send(h11.Data(data=last)) if last else b""
-        self._writer.write(tail + self._conn.send(h11.EndOfMessage()))
+        self._transport.write(tail + self._conn.send(h11.EndOfMessage()))
 
     def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
         self.started = self.ended = True
@@ -65,13 +65,13 @@ class HttpClientStream:
             headers=framed(headers, (b"Content-Length", str(len(body)).encode())),
             reason=reason or _phrase(status),
         )
-        self._writer.write(
+        self._transport.write(
             self._conn.send(head) + self._conn.send(h11.Data(data=body))
             + self._conn.send(h11.EndOfMessage())
         )  # fmt: skip
 
     async def drain(self) -> None:
-        await self._writer.drain()
+        await self._connection.drain()
 
     def backed_up(self) -> bool:
         return self._transport.get_write_buffer_size() > self._high_water
@@ -84,7 +84,8 @@ class SpliceEndpoint:
         self.port = 0
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self._waiting), "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -108,33 +109,104 @@ class SpliceEndpoint:
         answered by another addon); False if it had arrived."""
         return self._waiting.pop(token, None) is not None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER)
+
+class _Connection(asyncio.Protocol):
+    """One connection from mitmproxy: its requests in turn, each answered by the splice
+    its token names. A protocol, not a stream handler: no task per connection, and the
+    client leaving is its connection's loss, not a read waited for."""
+
+    transport: asyncio.Transport  # once made
+
+    def __init__(self, waiting: dict[str, Splice]) -> None:
+        self._waiting = waiting
+        self._conn = h11.Connection(h11.SERVER)
+        self._token = b""  # the token of the request being read
+        self._answering: tuple[asyncio.Future[None], Splice] | None = None
+        self._lost = False
+        self._writable: asyncio.Future[None] | None = None  # while writing is paused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._conn.receive_data(data)
+        if self._answering is None:
+            self._next()  # else kept until the answer is over (mitmproxy waits for it)
+
+    def eof_received(self) -> bool:
+        return False  # mitmproxy closed the connection: the client left (or is done)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self.resume_writing()  # a drain waiting finds the connection lost
+        if self._answering is not None and not self._answering[0].done():
+            self._answering[1].cancel()
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if (waiter := self._writable) is not None and not waiter.done():
+            waiter.set_result(None)
+        self._writable = None
+
+    async def drain(self) -> None:
+        if self._writable is not None and not self._lost:
+            await asyncio.shield(self._writable)
+        if self._lost or self.transport.is_closing():
+            raise ConnectionResetError("the splice endpoint's connection closed")
+
+    def _next(self) -> None:
+        """Read on to the end of the next request, and answer it."""
         try:
-            while True:
-                request = await _next_request(conn, reader)
-                if request is None:
+            while (event := self._conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+                if isinstance(event, h11.Request):
+                    self._token = dict(event.headers).get(TOKEN_HEADER.encode(), b"")
+                elif isinstance(event, h11.EndOfMessage):
+                    self._answer(self._waiting.pop(self._token.decode(), None))
                     return
-                token = dict(request.headers).get(TOKEN_HEADER.encode(), b"").decode()
-                splice = self._waiting.pop(token, None)
-                client = HttpClientStream(conn, writer)
-                if splice is None:
-                    client.respond(502, [(b"content-type", b"text/plain")], b"unknown splice\n")
-                else:
-                    run = asyncio.ensure_future(splice.run(client))
-                    run.add_done_callback(_log_failure)
-                    await _run_until_client_leaves(splice, run, client, reader)
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (ConnectionError, h11.ProtocolError) as exc:
+        except h11.ProtocolError as exc:
             log.debug("splice endpoint connection ended: %r", exc)
-        except asyncio.CancelledError:
-            # mitmproxy is shutting down. The handler's task ends here: asyncio's stream
-            # server would print a cancelled handler's traceback.
-            pass
-        finally:
-            writer.transport.abort()
+            self.transport.abort()
+
+    def _answer(self, splice: Splice | None) -> None:
+        client = HttpClientStream(self._conn, self)
+        if splice is None:
+            client.respond(502, [(b"content-type", b"text/plain")], b"unknown splice\n")
+            self._served()
+            return
+        run = asyncio.ensure_future(splice.run(client))
+        self._answering = (run, splice)
+        run.add_done_callback(lambda _: self._ran(run, splice, client))
+
+    def _ran(self, run: asyncio.Future[None], splice: Splice, client: HttpClientStream) -> None:
+        self._answering = None
+        exc = None if run.cancelled() else run.exception()
+        if self._lost or run.cancelled():
+            # Either way the client is gone: mitmproxy's error hook may cancel the splice
+            # before this connection's close is seen.
+            if exc is not None:
+                log.debug("splice ended by %r", exc)  # told to the client where it has one
+            self.transport.abort()
+            return
+        if exc is not None:
+            # Fail safe: whatever broke, the client gets a readable end, not a cut connection.
+            log.error("splice failed", exc_info=exc)
+            if client.started:
+                client.end(splice.dialect.error_end(f"spillover failed: {exc!r}"))
+            else:
+                client.respond(502, [(b"content-type", b"text/plain")], b"spillover failed\n")
+        self._served()
+
+    def _served(self) -> None:
+        """The answer is out: the connection takes the next request, where it may."""
+        conn = self._conn
+        if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            self.transport.abort()
+            return
+        conn.start_next_cycle()
+        self._next()
 
 
 def _in_order(head: bytes, headers: list[Header]) -> bytes:
@@ -162,54 +234,3 @@ def _phrase(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
-
-
-async def _next_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
-    """Read one request and its body (the splice already holds the parsed body)."""
-    request = None
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await reader.read(65536)
-            conn.receive_data(data)
-        elif isinstance(event, h11.Request):
-            request = event
-        elif isinstance(event, h11.EndOfMessage):
-            return request
-        elif isinstance(event, h11.ConnectionClosed):
-            return None
-
-
-def _log_failure(run: asyncio.Future[None]) -> None:
-    if not run.cancelled() and (exc := run.exception()) is not None:
-        log.debug("splice ended by %r", exc)  # told to the client where it has one
-
-
-async def _run_until_client_leaves(
-    splice: Splice,
-    run: asyncio.Future[None],
-    client: HttpClientStream,
-    reader: asyncio.StreamReader,
-) -> None:
-    """Wait for the splice; if mitmproxy closes this connection (the client left), cancel
-    it."""
-    gone = asyncio.ensure_future(reader.read(1))
-    try:
-        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        client_left = not run.done()
-        if client_left:
-            splice.cancel()
-        gone.cancel()
-        await asyncio.wait({run, gone})  # both settled before the connection is reused
-    if client_left or run.cancelled():
-        # Either way the client is gone: mitmproxy's error hook may cancel the splice
-        # before this connection's close is seen.
-        raise ConnectionError("client left")
-    if (exc := run.exception()) is not None:
-        # Fail safe: whatever broke, the client gets a readable end, not a cut connection.
-        log.error("splice failed", exc_info=exc)
-        if client.started:
-            client.end(splice.dialect.error_end(f"spillover failed: {exc!r}"))
-        else:
-            client.respond(502, [(b"content-type", b"text/plain")], b"spillover failed\n")
