@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -12,9 +14,11 @@ import pytest
 
 from scripts.testbed.memfiles import FakeCard, write_meminfo
 from tests.listener import listening_process
+from watchers import gates, sockdiag
 from watchers.fdinfo import FdinfoSource, parse_fdinfo
 from watchers.gates import IN_RAM, CardMap, listening_pids, parse_card_map
 from watchers.hotplug import HotplugEvents, UdevObserver, pci_cards, what_is_seen
+from watchers.listeners import find_listeners, listed
 from watchers.meminfo import MeminfoSource
 from watchers.monitor import CONFIRM_S, SLOW_FACTOR, MemoryMonitor
 from watchers.nvml import NvmlSource
@@ -353,6 +357,53 @@ def test_card_map_parsing() -> None:
     }
     with pytest.raises(ValueError, match="URL=card"):
         parse_card_map("http://a:1")
+
+
+def test_the_kernels_listening_sockets_are_the_ones_proc_lists() -> None:
+    """sock_diag (asked where /proc is this machine's) against /proc/net/tcp{,6}, read as
+    they were before it, on real sockets: IPv4 and IPv6 listening, one connected."""
+    with contextlib.ExitStack() as stack:
+        ipv4 = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        ipv6 = stack.enter_context(socket.create_server(("::1", 0), family=socket.AF_INET6))
+        stack.enter_context(socket.create_connection(ipv4.getsockname()))  # not listening
+        asked = sockdiag.listening()
+        assert asked is not None, "netlink sock_diag refused here"
+        ours = {sock.getsockname()[1]: os.fstat(sock.fileno()).st_ino for sock in (ipv4, ipv6)}
+        assert {(port, os.getuid(), inode) for port, inode in ours.items()} <= set(asked)
+        assert sorted(asked) == sorted(listed(Path("/proc")))
+        for port in ours:
+            assert os.getpid() in find_listeners(port).pids
+            # The same /proc by another name is read as files, as a test tree is.
+            assert find_listeners(port) == find_listeners(port, Path("/proc/self/.."))
+
+
+def test_a_stale_card_mapping_is_looked_up_again_while_the_known_one_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The proxy asks for a server's cards on its event loop, for each answer; the lookup
+    walks every process's descriptors, so a stale mapping is looked up again elsewhere."""
+    monkeypatch.setattr(gates, "REFRESH_SECONDS", 0.0)
+    answering, holding = threading.Event(), {}
+
+    def gpu_pids() -> dict[int, set[str]]:
+        answering.wait(30)
+        return dict(holding)
+
+    answering.set()
+    with listening_process() as (pid, port):
+        server = f"http://127.0.0.1:{port}"
+        card_map = CardMap({}, gpu_pids)
+        assert card_map.mapping_of(server).how == IN_RAM
+        answering.clear()  # the server takes a card; its next lookup hangs until told
+        holding[pid] = {"nvml:1"}
+        asked = time.monotonic()
+        assert card_map.mapping_of(server).how == IN_RAM  # the mapping known, at once
+        assert time.monotonic() - asked < 1
+        answering.set()
+        deadline = time.monotonic() + 10
+        while card_map.mapping_of(server).cards != {"nvml:1"}:
+            assert time.monotonic() < deadline, "the lookup never landed"
+            time.sleep(0.01)
 
 
 def test_gates_find_a_local_server_by_its_port() -> None:

@@ -10,6 +10,7 @@ cards the fleet's Prometheus shows there (`watchers.prometheus`), or by that map
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class CardMap:
         self._proc = proc
         self._sys = sysfs
         self._cache: dict[str, tuple[float, Mapping]] = {}
+        self._rediscovering: set[str] = set()
+        self._lock = threading.Lock()
         self._listeners: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
 
     def mapping_of(self, server: str) -> Mapping:
@@ -129,11 +132,34 @@ class CardMap:
         if self.remote is not None and urlsplit(server).hostname not in LOCAL_HOSTS:
             return self.remote(server)
         cached = self._cache.get(server)
-        if cached is not None and time.monotonic() - cached[0] < REFRESH_SECONDS:
-            return cached[1]
+        if cached is None:
+            return self._rediscover(server)
+        if time.monotonic() - cached[0] >= REFRESH_SECONDS:
+            self._rediscover_later(server)
+        return cached[1]
+
+    def _rediscover(self, server: str) -> Mapping:
         mapping = self._discover(server)
         self._cache[server] = (time.monotonic(), mapping)
         return mapping
+
+    def _rediscover_later(self, server: str) -> None:
+        """Look the server up again on a thread of its own; the mapping known is used
+        meanwhile. The lookup walks every process's descriptors (a GPU box has thousands):
+        on the proxy's event loop, each refresh stopped every stream for that long."""
+        with self._lock:
+            if server in self._rediscovering:
+                return
+            self._rediscovering.add(server)
+
+        def rediscover() -> None:
+            try:
+                self._rediscover(server)
+            finally:
+                with self._lock:
+                    self._rediscovering.discard(server)
+
+        threading.Thread(target=rediscover, name="spillover-card-map", daemon=True).start()
 
     def cards_of(self, server: str) -> set[str]:
         return set(self.mapping_of(server).cards)

@@ -1,11 +1,16 @@
-"""Which processes listen on a local TCP port: /proc/net/tcp{,6} -> socket inode -> the
-processes holding it, and, when none can be read, whose they are."""
+"""Which processes listen on a local TCP port: the listening socket's inode (from the
+kernel's sock_diag, or /proc/net/tcp{,6}) -> the processes holding it, and, when none
+can be read, whose they are."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from watchers.sockdiag import listening
+
+LIVE_PROC = Path("/proc")  # this machine's: its sockets can be asked of the kernel
 
 
 @dataclass(frozen=True)
@@ -17,17 +22,11 @@ class Listeners:
 
 def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
     """Who holds a socket listening on `port` (IPv4 or IPv6, any address)."""
-    inodes, uids = set(), set()
-    for table in ("net/tcp", "net/tcp6"):
-        try:
-            lines = (proc / table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-                uids.add(int(fields[7]))
+    sockets = listening() if proc == LIVE_PROC else None
+    if sockets is None:
+        sockets = listed(proc)
+    inodes = {f"socket:[{inode}]" for at, _, inode in sockets if at == port}
+    uids = {uid for at, uid, _ in sockets if at == port}
     if not inodes:
         return Listeners(False, frozenset(), frozenset())
     pids, unreadable = set(), set()
@@ -51,6 +50,22 @@ def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
                 pids.add(int(pid.name))
                 break
     return Listeners(True, frozenset(pids), frozenset(unreadable))
+
+
+def listed(proc: Path) -> list[tuple[int, int, int]]:
+    """(port, uid, inode) of the listening sockets /proc/net/tcp{,6} list (every socket
+    of the namespace is listed there: read where the kernel cannot be asked)."""
+    found = []
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            lines = (proc / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":
+                found.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[7]), int(fields[9])))
+    return found
 
 
 def _not_ours(pid: Path, uids: set[int], unreadable: set[int]) -> None:
