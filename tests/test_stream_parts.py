@@ -85,6 +85,23 @@ def test_chunked_body_decodes_however_the_bytes_arrive(points: list[int]) -> Non
     assert body.complete
 
 
+def test_chunked_body_reads_a_chunk_a_read_as_any_other_way() -> None:
+    """A server that writes each token as its own chunk is read whole chunk by chunk
+    (the way taken at full speed); what that way does not take goes the general way."""
+    chunks = [b"5\r\nhello\r\n", b"1;ext=1\r\n \r\n", b"10\r\n" + b"x" * 16 + b"\r\n"]
+    wire = b"".join(chunks) + b"0\r\n\r\n"
+    expected = b"hello " + b"x" * 16
+    body = ChunkedBody()
+    assert b"".join(body.feed(chunk) for chunk in [*chunks, b"0\r\n\r\n"]) == expected
+    assert body.complete
+    for size in (1, 3, len(wire)):
+        body = ChunkedBody()
+        parts = [wire[at : at + size] for at in range(0, len(wire), size)]
+        assert b"".join(body.feed(part) for part in parts) == expected and body.complete
+    with pytest.raises(UpstreamError, match="terminator"):
+        ChunkedBody().feed(b"5\r\nhelloXY\r\n")  # the size and the end disagree
+
+
 def test_chunked_body_rejects_broken_framing() -> None:
     with pytest.raises(UpstreamError, match="chunk size"):
         ChunkedBody().feed(b"zz\r\nabc\r\n")

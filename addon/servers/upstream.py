@@ -162,6 +162,8 @@ class ChunkedBody:
         self.complete = False
 
     def feed(self, data: bytes) -> bytes:
+        if not (self._buffer or self._left or self._crlf) and (whole := _one_chunk(data)):
+            return whole  # a server writing each token as its own chunk, read as written
         buffer = self._buffer + data if self._buffer else data
         out: list[bytes] = []
         pos, end = 0, len(buffer)
@@ -195,6 +197,19 @@ class ChunkedBody:
                 self._left = size
         self._buffer = buffer[pos:]
         return b"".join(out)
+
+
+def _one_chunk(data: bytes) -> bytes | None:
+    """The data of `data` when it is exactly one whole chunk with data, `<hex>\\r\\n` and
+    its data and CRLF; None for anything else (for the general reading)."""
+    eol = data.find(b"\r\n", 0, 18)
+    if eol < 1 or not data.endswith(b"\r\n"):
+        return None
+    try:
+        size = int(data[:eol], 16)
+    except ValueError:
+        return None
+    return data[eol + 2 : -2] if size and len(data) == eol + 4 + size else None
 
 
 class LengthBody:
