@@ -2,7 +2,9 @@
 
 mitmproxy cannot feed an open response from an addon, so spliced flows are re-pointed
 here. Each request carries a token naming its `Splice`; the endpoint writes its one
-chunked response back to mitmproxy, which streams it to the client. Owning the response
+chunked response back to mitmproxy, which streams it to the client. mitmproxy's
+connections to it are made in process (answer/inprocess.py); the loopback server is
+there for a mitmproxy that connects another way. Owning the response
 lets the answer go on from another server after the first one is dropped. A splice
 starts when its request arrives here: started in mitmproxy's request hook instead, its
 first leg gained nothing measurable on the first token, and when hundreds of answers
@@ -15,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from http import HTTPStatus
 
 import h11
 
+from addon.answer import inprocess
 from addon.answer.splice import Splice
 from addon.formats.wire import Header, framed
 
@@ -33,7 +37,6 @@ class HttpClientStream:
         self._conn = conn
         self._connection = connection
         self._transport = connection.transport
-        self._high_water = self._transport.get_write_buffer_limits()[1]
         self.started = False
         self.ended = False
 
@@ -74,7 +77,7 @@ class HttpClientStream:
         await self._connection.drain()
 
     def backed_up(self) -> bool:
-        return self._transport.get_write_buffer_size() > self._high_water
+        return self._connection.paused
 
 
 class SpliceEndpoint:
@@ -82,16 +85,41 @@ class SpliceEndpoint:
         self._server: asyncio.Server | None = None
         self._waiting: dict[str, Splice] = {}  # by token, until its request arrives
         self.port = 0
+        self._in_process: Callable[[], None] | None = None  # undoes it
+        self.connections = {"in process": 0, "over loopback TCP": 0}  # mitmproxy's, made
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self._waiting), "127.0.0.1", 0)
+        self._server = await loop.create_server(self._over_tcp, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+        # mitmproxy's connections to it are made in process (answer/inprocess.py); the
+        # server stays for a mitmproxy that connects another way.
+        self._in_process = inprocess.open_connections_to(self.address, self._accept)
 
     async def stop(self) -> None:
+        if self._in_process is not None:
+            self._in_process()
+            self._in_process = None
         if self._server is not None:
             self._server.close()
             self._server = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return "127.0.0.1", self.port
+
+    def _accept(self) -> inprocess.StreamPair:
+        self.connections["in process"] += 1
+        return inprocess.connect(_Connection(self._waiting), self.address)
+
+    def _over_tcp(self) -> _Connection:
+        self.connections["over loopback TCP"] += 1
+        return _Connection(self._waiting)
+
+    def status(self) -> dict[str, int]:
+        """How mitmproxy's connections to the endpoint were made: a mitmproxy that no
+        longer opens them with asyncio.open_connection shows here, still carrying."""
+        return dict(self.connections)
 
     @property
     def running(self) -> bool:
@@ -142,6 +170,12 @@ class _Connection(asyncio.Protocol):
         self.resume_writing()  # a drain waiting finds the connection lost
         if self._answering is not None and not self._answering[0].done():
             self._answering[1].cancel()
+
+    @property
+    def paused(self) -> bool:
+        """Whether mitmproxy has more of the answer unread than it should have: the
+        splice stops reading its server until it is read."""
+        return self._writable is not None
 
     def pause_writing(self) -> None:
         self._writable = asyncio.get_running_loop().create_future()

@@ -111,14 +111,23 @@ class Legs:
                 client, upstream, path, body, headers, rewriter, exchange
             )
         except asyncio.CancelledError:
-            exchange.end("handed off" if self.handing_off() else "cancelled")
+            self._show(exchange, "handed off" if self.handing_off() else "cancelled")
             raise
-        else:
-            exchange.end("complete" if failure is None else "failed", failure)
-        finally:
-            if self.on_exchange is not None:
-                self.on_exchange(exchange)
+        except BaseException as exc:
+            self._show(exchange, "failed", repr(exc))
+            raise
+        self._show(exchange, "complete" if failure is None else "failed", failure)
         return failure
+
+    def _show(self, exchange: Exchange, outcome: str, error: str | None = None) -> None:
+        """The leg's exchange is over: shown once, where legs are kept. An answer's last
+        leg is shown before the answer's last bytes go out: mitmproxy records the client's
+        flow (-w) the moment it ends, with the legs it names."""
+        if exchange.ended is not None:
+            return
+        exchange.end(outcome, error)
+        if self.on_exchange is not None:
+            self.on_exchange(exchange)
 
     async def _exchange(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
@@ -152,6 +161,7 @@ class Legs:
             if not self.streaming:
                 answer = await response.read_all()
                 notes = self.notes.headers(self.handoffs)
+                self._show(exchange, "complete")
                 client.respond(200, [*response.headers, *notes], answer, response.reason)
                 return None
             if not client.started:
@@ -165,7 +175,7 @@ class Legs:
             pump = Pump(
                 client, self.transcript, reader, pace,
                 flush=lambda out: self._flush(client, out), finishing=self._mark_finishing,
-                may_move=self.may_move,
+                may_move=self.may_move, ending=lambda: self._show(exchange, "complete"),
             )  # fmt: skip
             if isinstance(rewriter, Adapter):
                 failure = await pump.run(rewriter.adapt(response.body()), upstream.url)

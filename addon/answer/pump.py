@@ -40,11 +40,14 @@ class Pump:
         flush: Callable[[list[bytes]], None],
         finishing: Callable[[], None],
         may_move: Callable[[], bool] = lambda: True,
+        ending: Callable[[], None] = lambda: None,
     ) -> None:
         """`flush(events)` writes taken events to the client; `finishing()` says the
         answer's end has been seen (no handoff may cut it any more); `may_move()`, whether
         another server could go on with the answer now (else a garbled event goes to the
-        client as the server sent it, and the leg goes on)."""
+        client as the server sent it, and the leg goes on); `ending()`, that the answer's
+        last bytes go out next (what is kept of the leg is complete before the client's
+        flow is)."""
         self.client = client
         self.transcript = transcript
         self.reader = reader
@@ -52,6 +55,7 @@ class Pump:
         self.flush = flush
         self.finishing = finishing
         self.may_move = may_move
+        self.ending = ending
         self.closed = False  # the server closed the stream mid-answer
         self.outcome: str | None = None  # once `feed` said the leg is over: why, or None
         self.server = ""
@@ -185,6 +189,7 @@ class Pump:
     def finish(self) -> str | None:
         """The body ended: None when the answer is complete, otherwise why the leg failed."""
         if self._passing:
+            self.ending()
             self.client.end(b"")
             return None
         if (last := self.reader.close()) is not None:
@@ -233,6 +238,7 @@ class Pump:
     def _end(self, out: list[bytes], last: bytes) -> None:
         if out:
             self.flush(out)  # through the splice, which times a handoff's pause by it
+        self.ending()
         self.client.end(last)
 
     def _record(self, event: Event) -> None:

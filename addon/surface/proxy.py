@@ -188,6 +188,7 @@ class Spillover:
         if bodies_kept():
             ctx.options.update(store_streamed_bodies=True)
         await self.endpoint.start()
+        self.status_parts["splice_endpoint"] = self.endpoint.status
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
         if every := ctx.options.spillover_health_s:
             self._health_watch = asyncio.ensure_future(
