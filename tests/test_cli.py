@@ -28,6 +28,7 @@ from scripts.testbed.mitm import Mitmdump, SpilloverRun
 from scripts.testbed.workers import haproxy_missing
 from tests.streams import assert_one_clean_stream, chat_body, read_stream
 from tests.test_raw_output import read_cut
+from tests.throttle import Throttled
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,9 +47,10 @@ def test_run_starts_the_proxy_in_front_of_the_primary(
         # The fallback proven first: a cut in the proxy's first moments ends the answer
         # with an in-band error ("not checked yet"), as a loaded run found.
         proxy.servers_known()
-        stream = read_stream(
-            proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill()
-        )
+        with Throttled(primary.pid):  # (run free, it may write the whole answer before chunk 30)
+            stream = read_stream(
+                proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill()
+            )
         assert_one_clean_stream(stream)
         assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
         said = spillover("status", "--proxy", proxy.url, "--json")
@@ -324,7 +326,10 @@ def test_a_fresh_venv_from_the_wheel_runs_every_command(
             line = workers.stdout.readline()
             assert line, said
             said += line
-        stream = read_stream(proxy, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill())
+        with Throttled(primary.pid):  # (a full run found the whole answer written first)
+            stream = read_stream(
+                proxy, chat_body(200), on_chunk=lambda n: n == 30 and primary.kill()
+            )
         assert_one_clean_stream(stream)
         assert f"{primary.url} -> {fallback.url}" in stream.notes[0]
         status = spillover("status", "--proxy", proxy, "--json")
@@ -341,7 +346,10 @@ def test_a_fresh_venv_from_the_wheel_runs_every_command(
     proxy = Mitmdump(again.url, [fallback.url], log_dir=server_logs, addon_path=addon,
                      mitmdump=bin_dir / "mitmdump").start()  # fmt: skip
     try:
-        stream = read_stream(proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and again.kill())
+        with Throttled(again.pid):
+            stream = read_stream(
+                proxy.url, chat_body(200), on_chunk=lambda n: n == 30 and again.kill()
+            )
         assert_one_clean_stream(stream)
         assert f"{again.url} -> {fallback.url}" in stream.notes[0]
     finally:
