@@ -83,11 +83,11 @@ def only_plain_chunks(block: bytes) -> bool:
     be forwarded unread. Anything
     else (or anything that merely looks like it) goes through the event-by-event path."""
     n = block.count(TERMINATOR)
+    # Every event ends in "}": no [DONE] among them (a JSON string holds no raw newline).
     return (
         block.count(b"data: {") == n
         and block.count(b"}\n\n") == n
         and b'"error"' not in block
-        and b"[DONE]" not in block
         and b'"finish_reason":"' not in block
         and b'"finish_reason": "' not in block
         and b'"usage"' not in block
