@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from addon.answer import inprocess
 
 
@@ -111,17 +113,23 @@ def test_only_the_endpoints_address_is_taken(free_tcp_port: int) -> None:
         taken = ("127.0.0.1", free_tcp_port)
         server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
         elsewhere = server.sockets[0].getsockname()[:2]
-        opened = asyncio.open_connection
         undo = inprocess.open_connections_to(taken, lambda: inprocess.connect(Recording(), taken))
+        again = inprocess.open_connections_to(
+            taken, lambda: inprocess.connect(Recording(), taken)
+        )  # a second endpoint taking the address over, as a restarted addon's would
         try:
             _, writer = await asyncio.open_connection(*taken)  # nothing listens there
             assert isinstance(writer, inprocess.StreamSide)
             reader, writer = await asyncio.open_connection(*elsewhere)
             assert isinstance(writer, asyncio.StreamWriter) and await reader.read() == b""
             writer.close()
+            undo()  # the first one's undoing leaves the second's in place
+            _, writer = await asyncio.open_connection(*taken)
+            assert isinstance(writer, inprocess.StreamSide)
         finally:
-            undo()
-        assert asyncio.open_connection is opened
+            again()
+        with pytest.raises(ConnectionRefusedError):  # given back: a socket's connect again
+            await asyncio.open_connection(*taken)
         server.close()
 
     asyncio.run(run())

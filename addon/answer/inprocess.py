@@ -34,24 +34,34 @@ def open_connections_to(
     address: tuple[str, int], accept: Callable[[], StreamPair]
 ) -> Callable[[], None]:
     """From now on asyncio.open_connection to `address` gives `accept()`'s streams; the
-    returned callable undoes it."""
-    opened: Opener = asyncio.open_connection
-
-    async def open_connection(host: Any = None, port: Any = None, **kwargs: Any) -> Any:
-        if (host, port) == address:
-            # As a connect would, it suspends first: mitmproxy (12) records the connection
-            # as opening only after the task that opens it has.
-            await asyncio.sleep(0)
-            return accept()
-        return await opened(host, port, **kwargs)
-
-    asyncio.open_connection = open_connection  # type: ignore[assignment]
+    returned callable undoes it. asyncio's own is wrapped once, for good: with no
+    address taken the wrapper only passes each call on (no order of undoing can leave
+    it calling itself)."""
+    global _opened
+    if _opened is None:
+        _opened = asyncio.open_connection
+        asyncio.open_connection = _open_connection  # type: ignore[assignment]
+    _taken[address] = accept
 
     def undo() -> None:
-        if asyncio.open_connection is open_connection:
-            asyncio.open_connection = opened
+        if _taken.get(address) is accept:
+            del _taken[address]
 
     return undo
+
+
+_taken: dict[tuple[str, int], Callable[[], StreamPair]] = {}  # address -> its streams
+_opened: Opener | None = None  # asyncio's own
+
+
+async def _open_connection(host: Any = None, port: Any = None, **kwargs: Any) -> Any:
+    if (accept := _taken.get((host, port))) is not None:
+        # As a connect would, it suspends first: mitmproxy (12) records the connection
+        # as opening only after the task that opens it has.
+        await asyncio.sleep(0)
+        return accept()
+    assert _opened is not None
+    return await _opened(host, port, **kwargs)
 
 
 class _ReadPacing:
