@@ -5,7 +5,7 @@ out of a block's bytes before the client sees them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -60,10 +60,9 @@ def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] 
         logprobs = choice.pop("logprobs", None) if strip == LOGPROBS else choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
-    known = [piece for piece in pieces or () if piece is not None]
-    if pieces is None or len(known) != len(pieces):
+    if pieces is None or None in pieces:
         return None  # none, or in a form without ids: the text is what can be replayed
-    return known
+    return cast(list[Piece], pieces)  # no None among them
 
 
 _SPACE = b" \t\r\n"

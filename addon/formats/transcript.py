@@ -218,6 +218,8 @@ class Transcript:
 
     def _thought(self, delta: dict[str, Any]) -> str | None:
         """The delta's reasoning, in whichever fields its server writes it (once)."""
+        if delta.keys().isdisjoint(REASONING_FIELDS):
+            return None  # most deltas: answer text alone
         fields = thought_fields(delta)
         self.reasoning_fields = self.reasoning_fields or fields
         return delta[fields[0]] if fields else None
@@ -235,8 +237,8 @@ class Transcript:
                 if self.ids is not None:
                     self.ids = None  # text without ids: it can only be replayed as text
             return None
-        for _, data in pieces:
-            self.raw += data
+        said = b"".join(data for _, data in pieces)
+        self.raw += said
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
         # behind or holds a token's text back, llama-server's when it held text back (half
         # of a character, the start of a stop string). Its ids count them, and the marker
@@ -246,11 +248,10 @@ class Transcript:
             self.legs[-1].completion_tokens += more
         if self.ids is None:
             return pieces
-        for token, data in pieces:
-            self.ids.append(token)
-            self.id_bytes += data
+        self.ids.extend(token for token, _ in pieces)
+        self.id_bytes += said
         if pieces:
-            self.ids_ahead = not any(data for _, data in pieces)
+            self.ids_ahead = not said
         return pieces
 
     def _recount(self, pieces: list[Piece] | None, made: int | None) -> None:
