@@ -1,15 +1,15 @@
-"""The splice endpoint: a loopback HTTP server inside mitmproxy's own event loop.
+"""The splice endpoint: an HTTP server inside mitmproxy's own event loop.
 
 mitmproxy cannot feed an open response from an addon, so spliced flows are re-pointed
 here. Each request carries a token naming its `Splice`; the endpoint writes its one
-chunked response back to mitmproxy, which streams it to the client. mitmproxy's
-connections to it are made in process (answer/inprocess.py); the loopback server is
-there for a mitmproxy that connects another way. Owning the response
+chunked response back to mitmproxy, which streams it to the client. Owning the response
 lets the answer go on from another server after the first one is dropped. A splice
 starts when its request arrives here: started in mitmproxy's request hook instead, its
 first leg gained nothing measurable on the first token, and when hundreds of answers
 were asked at once their servers wrote into the proxy while it was still taking the
 requests (events queued there for up to a second, the first tokens 3x later).
+mitmproxy's connections to it are made in process (answer/inprocess.py); it listens on
+a loopback port as well, for a mitmproxy that connects another way.
 """
 
 from __future__ import annotations
