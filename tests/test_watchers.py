@@ -363,18 +363,23 @@ def test_the_kernels_listening_sockets_are_the_ones_proc_lists() -> None:
     """sock_diag (asked where /proc is this machine's) against /proc/net/tcp{,6}, read as
     they were before it, on real sockets: IPv4 and IPv6 listening, one connected."""
     with contextlib.ExitStack() as stack:
-        ipv4 = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-        ipv6 = stack.enter_context(socket.create_server(("::1", 0), family=socket.AF_INET6))
-        stack.enter_context(socket.create_connection(ipv4.getsockname()))  # not listening
-        asked = sockdiag.listening()
-        assert asked is not None, "netlink sock_diag refused here"
-        ours = {sock.getsockname()[1]: os.fstat(sock.fileno()).st_ino for sock in (ipv4, ipv6)}
-        assert {(port, os.getuid(), inode) for port, inode in ours.items()} <= set(asked)
-        assert sorted(asked) == sorted(listed(Path("/proc")))
+        listening = [stack.enter_context(socket.create_server(("127.0.0.1", 0)))]
+        with contextlib.suppress(OSError):  # (a machine without IPv6 on its loopback)
+            six = socket.create_server(("::1", 0), family=socket.AF_INET6)
+            listening.append(stack.enter_context(six))
+        stack.enter_context(socket.create_connection(listening[0].getsockname()[:2]))
+        ours = {sock.getsockname()[1]: os.fstat(sock.fileno()).st_ino for sock in listening}
+        mine = {(port, os.getuid(), inode) for port, inode in ours.items()}
+        assert mine <= set(listed(Path("/proc")))
         for port in ours:
             assert os.getpid() in find_listeners(port).pids
             # The same /proc by another name is read as files, as a test tree is.
             assert find_listeners(port) == find_listeners(port, Path("/proc/self/.."))
+        asked = sockdiag.listening()
+        if asked is None:  # (the product reads /proc/net/tcp then, checked above)
+            pytest.skip("the kernel refuses netlink sock_diag here")
+        assert mine <= set(asked)
+        assert sorted(asked) == sorted(listed(Path("/proc")))
 
 
 def test_a_stale_card_mapping_is_looked_up_again_while_the_known_one_serves(
