@@ -94,6 +94,23 @@ def test_a_close_from_either_side_is_seen_by_both() -> None:
     asyncio.run(run())
 
 
+def test_a_protocol_that_fails_ends_its_connection() -> None:
+    class Failing(Recording):
+        def data_received(self, data: bytes) -> None:
+            raise RuntimeError("broken")
+
+    async def run() -> None:
+        protocol = Failing()
+        reader, writer = inprocess.connect(protocol, ("127.0.0.1", 9))
+        writer.write(b"anything")
+        # The opener sees the connection end (not a connection left open for good).
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await asyncio.sleep(0)
+        assert protocol.events == ["made", "lost None"]
+
+    asyncio.run(run())
+
+
 def test_a_reader_that_stops_reading_pauses_the_writer() -> None:
     async def run() -> None:
         protocol = Recording()

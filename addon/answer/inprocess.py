@@ -12,10 +12,12 @@ loopback endpoint as before.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 StreamPair = tuple[asyncio.StreamReader, "StreamSide"]
+log = logging.getLogger(__name__)
 Opener = Callable[..., Awaitable[tuple[asyncio.StreamReader, Any]]]
 
 
@@ -129,14 +131,22 @@ class StreamSide:
 
     def _deliver(self, data: bytes) -> None:
         if not self._side.is_closing():
-            self._protocol.data_received(data)
+            self._told(lambda: self._protocol.data_received(data))
 
     def write_eof(self) -> None:
         self._loop.call_soon(self._eof)
 
     def _eof(self) -> None:
-        if not self._side.is_closing() and not self._protocol.eof_received():
+        if not self._side.is_closing() and not self._told(self._protocol.eof_received):
             self._side.close()
+
+    def _told(self, call: Callable[[], bool | None]) -> bool | None:
+        try:
+            return call()
+        except Exception:  # as a socket transport does: logged, and the connection ends
+            log.exception("the protocol of an in-process connection failed")
+            self._side.close()
+            return None
 
     def can_write_eof(self) -> bool:
         return True
