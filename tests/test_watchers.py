@@ -411,6 +411,32 @@ def test_a_stale_card_mapping_is_looked_up_again_while_the_known_one_serves(
             time.sleep(0.01)
 
 
+def test_a_card_lookup_that_fails_keeps_the_known_mapping_until_its_next_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a thread, a failed lookup is logged and the known mapping serves on: it is not
+    asked again on every answer (a thread and a traceback each) before REFRESH_SECONDS."""
+    monkeypatch.setattr(gates, "REFRESH_SECONDS", 0.5)
+    asked: list[float] = []
+
+    def gpu_pids() -> dict[int, set[str]]:
+        asked.append(time.monotonic())
+        if len(asked) > 1:
+            raise RuntimeError("the driver went away")
+        return {}
+
+    with listening_process() as (_, port):
+        server = f"http://127.0.0.1:{port}"
+        card_map = CardMap({}, gpu_pids)
+        assert card_map.mapping_of(server).how == IN_RAM
+        time.sleep(0.6)
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:
+            assert card_map.mapping_of(server).how == IN_RAM
+            time.sleep(0.01)
+        assert len(asked) == 2, asked  # the first lookup, and one failed refresh
+
+
 def test_gates_find_a_local_server_by_its_port() -> None:
     with listening_process() as (pid, port):
         assert pid in listening_pids(port)

@@ -10,6 +10,7 @@ cards the fleet's Prometheus shows there (`watchers.prometheus`), or by that map
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from watchers.listeners import listening_pids as listening_pids  # for older imp
 from watchers.meminfo import CARD as RAM
 
 REFRESH_SECONDS = 10.0
+log = logging.getLogger(__name__)
 
 
 def parse_card_map(text: str) -> dict[str, set[str]]:
@@ -155,6 +157,10 @@ class CardMap:
         def rediscover() -> None:
             try:
                 self._rediscover(server)
+            except Exception:  # the known mapping serves on, asked again in REFRESH_SECONDS
+                log.exception("looking up the cards of %s again failed", server)
+                if (known := self._cache.get(server)) is not None:
+                    self._cache[server] = (time.monotonic(), known[1])
             finally:
                 with self._lock:
                     self._rediscovering.discard(server)

@@ -20,7 +20,7 @@ class Listeners:
     unreadable: frozenset[int]  # processes of the socket's owner whose descriptors we may not read
 
 
-def find_listeners(port: int, proc: Path = Path("/proc")) -> Listeners:
+def find_listeners(port: int, proc: Path = LIVE_PROC) -> Listeners:
     """Who holds a socket listening on `port` (IPv4 or IPv6, any address)."""
     sockets = listening() if proc == LIVE_PROC else None
     if sockets is None:
