@@ -73,10 +73,6 @@ def status(proxy) -> dict:
     return httpx.get(f"{proxy.url}/spillover/status").json()
 
 
-def state(proxy, server) -> str:
-    return status(proxy)["routing"]["states"][server.url]["state"]
-
-
 def wait_state(proxy, server, wanted: str) -> dict:
     deadline = time.monotonic() + WAIT_S
     while (now := status(proxy))["routing"]["states"][server.url]["state"] != wanted:
@@ -104,7 +100,10 @@ def test_remote_cards_are_read_and_mapped_by_host(fleet) -> None:
     exporters = {card: seen["exporter"] for card, seen in memory["prometheus"]["cards"].items()}
     assert exporters == {a_card: "node-drm", b_card: "spillover"}, memory["prometheus"]
     assert memory["prometheus"]["cards"][a_card]["scraped_every_s"] == pytest.approx(SCRAPE_S, 0.2)
-    assert {state(proxy, s) for s in (a, b, fleet["c"])} == {"ok"}
+    # Waited for, not read once: on a loaded machine a scrape or query that comes late
+    # leaves a remote card stale, so unknown, for a moment (never fine: the product's rule).
+    for server in (a, b, fleet["c"]):
+        wait_state(proxy, server, "ok")
     doctor = run_doctor(fleet)
     assert f"ok  {a_card}: 1,000 of 16,384 MiB used" in doctor, doctor
     assert "[node-drm, hosts 127.0.0.2; scraped" in doctor and ": fresh]" in doctor, doctor
