@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
+import pytest
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.test import taddons, tflow
 
@@ -124,8 +126,11 @@ def test_health_waits_for_every_mode_of_the_proxy() -> None:
     asyncio.run(run())
 
 
-def test_handoff_command_moves_a_live_stream() -> None:
-    """Drives the real endpoint the way mitmproxy would; fake upstreams stall on demand."""
+@pytest.mark.parametrize("way", ["in process", "over loopback TCP"])
+def test_handoff_command_moves_a_live_stream(way: str) -> None:
+    """Drives the real endpoint the way mitmproxy would, in process and, as a mitmproxy
+    that opened its connections another way would reach it, over loopback TCP; fake
+    upstreams stall on demand."""
     primary = FakeUpstream([(STREAM_HEAD + chunked(sse_chunk(role=True), sse_chunk(" the")), 10)])
     fallback = FakeUpstream(
         [
@@ -154,7 +159,11 @@ def test_handoff_command_moves_a_live_stream() -> None:
             flow = chat_flow(STREAMING)
             flow.request.port = primary.port
             await addon.request(flow)
-            reader, writer = await asyncio.open_connection("127.0.0.1", addon.endpoint.port)
+            if way == "in process":
+                reader, writer = await asyncio.open_connection(*addon.endpoint.address)
+            else:
+                opened = socket.create_connection(addon.endpoint.address)
+                reader, writer = await asyncio.open_connection(sock=opened)
             body = flow.request.content
             writer.write(
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n%s: %s\r\n"
@@ -172,16 +181,26 @@ def test_handoff_command_moves_a_live_stream() -> None:
             assert "spillover.handoff" in tctx.master.commands.commands
             assert addon.handoff([flow]) == 1
             assert addon.handoff([flow]) == 0  # one at a time
-            while not received.endswith(b"0\r\n\r\n"):
-                received += await reader.read(65536)
+            while data := await reader.read(65536):  # a streamed answer ends with its connection
+                received += data
             assert "handoff" in flow.comment and flow.marked
             assert flow.metadata["spillover"]["handoffs"][0]["at_token"] == 1
             writer.close()
+            await asyncio.sleep(0.01)  # (a connection's loss is told in a callback of its own)
+            assert addon.endpoint.status() == {
+                "in process": int(way == "in process"),
+                "over loopback TCP": int(way != "in process"),
+                "open": 0,
+            }
             await addon.done()
             return received
 
     received = asyncio.run(run())
     assert b" river" in received and received.count(b"[DONE]") == 1
+    assert received.endswith(b"data: [DONE]\n\n")  # no chunk framing, its place marked:
+    assert (
+        b"\r\nX-Spillover-Client-Framing: chunked\r\n" in received.split(b"\r\n\r\n")[0] + b"\r\n"
+    )
     # The fallback is also asked once, at start, whether it echoes a prefill (marker Zq7).
     (continued,) = [json.loads(r) for r in fallback.requests if b"Zq7" not in r and r]
     assert continued["messages"][-1] == {"role": "assistant", "content": " the"}

@@ -52,7 +52,9 @@ def test_each_way_of_handing_off_is_timed_and_tabled(tmp_path: Path) -> None:
     for cell in cells:
         (run,) = cell["runs"]
         assert "requested by POST /spillover/handoff" in run["note"]
-        assert 0 < run["note_to_text_ms"] <= run["pause_ms"]
+        # The note comes first; with the text after it, where both were written in one
+        # pass, in the same read (0 ms).
+        assert 0 <= run["note_to_text_ms"] <= run["pause_ms"]
         assert cell["pause_ms"] == {
             "n": 1,
             **{k: round(run["pause_ms"], 1) for k in ("min", "median", "max")},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
 import httpx
@@ -224,6 +225,41 @@ def test_a_stream_is_framed_as_the_server_frames_it(twins, version: str, extra: 
         assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), rest[-40:]
         heads.append(head.split(b"\r\n"))
     assert heads[0] == heads[1]
+
+
+def test_answers_on_one_kept_connection_each_end_their_endpoint_connection(twins) -> None:
+    """Two streamed answers in turn on one client connection: each arrives chunked and
+    whole, the client's connection carries the next, and the endpoint's connections
+    (a streamed body there runs to its connection's close) are all closed while the
+    client's stays open: none is left half open behind it."""
+    _, _, proxy = twins
+    body = json.dumps(chat(stream=True)).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    endpoint = status(proxy)["splice_endpoint"]
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n"):
+                data = sock.recv(65536)
+                assert data, answer[-200:]  # the connection stays open after an answer
+                answer += data
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert b"\r\nTransfer-Encoding: chunked" in head and b"Spillover" not in head
+            assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        after = status(proxy)["splice_endpoint"]
+        assert after["in process"] == endpoint["in process"] + 2, (endpoint, after)
+        deadline = time.monotonic() + 10
+        while (after := status(proxy)["splice_endpoint"])["open"]:
+            assert time.monotonic() < deadline, after
+            time.sleep(0.05)
+
+
+def status(proxy) -> dict[str, Any]:
+    return httpx.get(f"{proxy.url}/spillover/status", timeout=30).json()
 
 
 def first_difference(a: Any, b: Any, where: str = "") -> str:

@@ -10,6 +10,13 @@ were asked at once their servers wrote into the proxy while it was still taking 
 requests (events queued there for up to a second, the first tokens 3x later).
 mitmproxy's connections to it are made in process (answer/inprocess.py); it listens on
 a loopback port as well, for a mitmproxy that connects another way.
+
+A streamed answer's body ends with its connection, not with a chunked framing that
+mitmproxy would undo event by event (h11's chunk reader: 3.6 against 1.3 us an event);
+its head says where the client's `Transfer-Encoding: chunked` stands, and the addon's
+response-headers hook puts it there (`as_the_client_reads`), so the client's bytes are
+what they were. A closed connection cannot say that an answer was cut: the endpoint
+always ends an answer readably (an in-band error where it broke), never by a cut.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from addon.answer.splice import Splice
 from addon.formats.wire import Header, framed
 
 TOKEN_HEADER = "x-spillover-splice"
+# Stands in the endpoint's head where the client's Transfer-Encoding goes.
+FRAMING_HEADER = b"X-Spillover-Client-Framing"
 log = logging.getLogger(__name__)
 
 
 class HttpClientStream:
-    """A chunked HTTP/1.1 response written through h11 to one endpoint connection."""
+    """The HTTP/1.1 response of one endpoint connection: a streamed one runs until the
+    connection closes; a whole one (`respond`) is written through h11 with its length."""
 
     def __init__(self, conn: h11.Connection, connection: _Connection) -> None:
         self._conn = conn
@@ -41,25 +51,26 @@ class HttpClientStream:
         self.ended = False
 
     def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
+        """The head of a streamed answer; the client's is chunked, as llama-server's is,
+        with the framing where the server had it."""
         self.started = True
-        headers = framed(headers, (b"Transfer-Encoding", b"chunked"))  # as llama-server does
-        head = h11.Response(status_code=status, headers=headers, reason=reason or _phrase(status))
-        self._transport.write(_in_order(self._conn.send(head) or b"", headers))
+        lines = [b"HTTP/1.1 %d %s" % (status, reason or _phrase(status))]
+        lines += [b"%s: %s" % field for field in framed(headers, (FRAMING_HEADER, b"chunked"))]
+        self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n")
 
     def write(self, data: bytes) -> None:
         if data and not self.ended:
-            # Framed here: the hot path, where h11's own checks cost more than the write.
-            # h11 keeps no count of a chunked body, so its state stays true for end().
-            self._transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self._transport.write(data)
 
     def end(self, last: bytes = b"") -> None:
+        """The answer's last bytes, and its end: the connection's close, which mitmproxy
+        reads after them, in the same pass where nothing waits in between."""
         if self.ended:
             return
         self.ended = True
-        # One write: a client that hangs up right after [DONE] must not find the
-        # terminating chunk still unsent (mitmproxy would drop the stored body).
-        tail = self._conn.send(h11.Data(data=last)) if last else b""
-        self._transport.write(tail + self._conn.send(h11.EndOfMessage()))
+        if last:
+            self._transport.write(last)
+        self._transport.close()
 
     def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
         self.started = self.ended = True
@@ -87,6 +98,7 @@ class SpliceEndpoint:
         self.port = 0
         self._in_process: Callable[[], None] | None = None  # undoes it
         self.connections = {"in process": 0, "over loopback TCP": 0}  # mitmproxy's, made
+        self.open: set[_Connection] = set()  # not yet closed by mitmproxy
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -110,16 +122,20 @@ class SpliceEndpoint:
 
     def _accept(self) -> inprocess.StreamPair:
         self.connections["in process"] += 1
-        return inprocess.connect(_Connection(self._waiting), self.address)
+        connection = _Connection(self._waiting)
+        self.open.add(connection)
+        return inprocess.connect(connection, self.address, lambda: self.open.discard(connection))
 
     def _over_tcp(self) -> _Connection:
         self.connections["over loopback TCP"] += 1
-        return _Connection(self._waiting)
+        return _Connection(self._waiting, self.open)
 
     def status(self) -> dict[str, int]:
-        """How mitmproxy's connections to the endpoint were made: a mitmproxy that no
-        longer opens them with asyncio.open_connection shows here, still carrying."""
-        return dict(self.connections)
+        """How mitmproxy's connections to the endpoint were made (a mitmproxy that no
+        longer opens them with asyncio.open_connection shows here, still carrying), and
+        how many mitmproxy holds open now: in process, until mitmproxy closes its side;
+        over TCP, until the connection is lost."""
+        return {**self.connections, "open": len(self.open)}
 
     @property
     def running(self) -> bool:
@@ -145,17 +161,20 @@ class _Connection(asyncio.Protocol):
 
     transport: asyncio.Transport  # once made
 
-    def __init__(self, waiting: dict[str, Splice]) -> None:
+    def __init__(self, waiting: dict[str, Splice], open_: set[_Connection] | None = None) -> None:
         self._waiting = waiting
+        self._open = open_  # where it counts itself while open (over TCP)
         self._conn = h11.Connection(h11.SERVER)
         self._token = b""  # the token of the request being read
-        self._answering: tuple[asyncio.Future[None], Splice] | None = None
+        self._answering: tuple[asyncio.Future[None], Splice, HttpClientStream] | None = None
         self._lost = False
         self._writable: asyncio.Future[None] | None = None  # while writing is paused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self._open is not None:
+            self._open.add(self)
 
     def data_received(self, data: bytes) -> None:
         self._conn.receive_data(data)
@@ -167,9 +186,14 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        if self._open is not None:
+            self._open.discard(self)
         self.resume_writing()  # a drain waiting finds the connection lost
-        if self._answering is not None and not self._answering[0].done():
-            self._answering[1].cancel()
+        if self._answering is None:
+            return
+        run, splice, client = self._answering
+        if not (run.done() or client.ended):  # (once it ended, what is left is its own)
+            splice.cancel()
 
     @property
     def paused(self) -> bool:
@@ -211,12 +235,17 @@ class _Connection(asyncio.Protocol):
             self._served()
             return
         run = asyncio.ensure_future(splice.run(client))
-        self._answering = (run, splice)
+        self._answering = (run, splice, client)
         run.add_done_callback(lambda _: self._ran(run, splice, client))
 
     def _ran(self, run: asyncio.Future[None], splice: Splice, client: HttpClientStream) -> None:
         self._answering = None
         exc = None if run.cancelled() else run.exception()
+        if client.ended:  # the answer is out whole; what broke after it is only logged
+            if exc is not None:
+                log.error("splice failed after its answer ended", exc_info=exc)
+            self._served()
+            return
         if self._lost or run.cancelled():
             # Either way the client is gone: mitmproxy's error hook may cancel the splice
             # before this connection's close is seen.
@@ -235,6 +264,8 @@ class _Connection(asyncio.Protocol):
 
     def _served(self) -> None:
         """The answer is out: the connection takes the next request, where it may."""
+        if self.transport.is_closing():
+            return  # a streamed answer, ended by its connection's close (flushed first)
         conn = self._conn
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             self.transport.abort()
@@ -243,24 +274,14 @@ class _Connection(asyncio.Protocol):
         self._next()
 
 
-def _in_order(head: bytes, headers: list[Header]) -> bytes:
-    """h11's response head with its Transfer-Encoding line where `headers` has it (h11
-    writes it last), so the client reads the server's headers in the server's order."""
-    lines = head.split(b"\r\n")
-    framing = [i for i, line in enumerate(lines) if line.lower().startswith(b"transfer-encoding:")]
-    names = [name.lower() for name, _ in headers]
-    if len(framing) != 1 or b"transfer-encoding" not in names:
-        return head
-    line = lines.pop(framing[0])
-    before = names[: names.index(b"transfer-encoding")]
-    # After the line of the last header that comes before it (the status line if none).
-    at = max((i for i, text in enumerate(lines[1:], 1) if _name(text) in before), default=0)
-    lines.insert(at + 1, line)
-    return b"\r\n".join(lines)
-
-
-def _name(line: bytes) -> bytes:
-    return line.split(b":", 1)[0].strip().lower()
+def as_the_client_reads(fields: tuple[Header, ...]) -> tuple[Header, ...] | None:
+    """A streamed answer's head as its client reads it: chunked, where the endpoint's
+    head marks the place; None for a head without the mark (a whole answer)."""
+    marker = FRAMING_HEADER.lower()
+    if not any(name.lower() == marker for name, _ in fields):
+        return None
+    framing = (b"Transfer-Encoding", b"chunked")
+    return tuple(framing if name.lower() == marker else (name, value) for name, value in fields)
 
 
 def _phrase(status: int) -> bytes:

@@ -21,15 +21,18 @@ log = logging.getLogger(__name__)
 Opener = Callable[..., Awaitable[tuple[asyncio.StreamReader, Any]]]
 
 
-def connect(protocol: asyncio.Protocol, peer: tuple[str, int]) -> StreamPair:
+def connect(
+    protocol: asyncio.Protocol, peer: tuple[str, int], on_close: Callable[[], None] = lambda: None
+) -> StreamPair:
     """The streams of a new connection to `protocol` (already made: its connection_made
-    has been called), as open_connection gives them, for a server at `peer`."""
+    has been called), as open_connection gives them, for a server at `peer`; `on_close`
+    is called once the opener has closed its writer."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(loop=loop)
     side = ProtocolSide(reader, protocol)
     reader.set_transport(_ReadPacing(protocol))  # type: ignore[arg-type]
     protocol.connection_made(side)
-    return reader, StreamSide(side, protocol, peer)
+    return reader, StreamSide(side, protocol, peer, on_close)
 
 
 def open_connections_to(
@@ -117,11 +120,16 @@ class StreamSide:
     writes reaches the protocol in a callback of its own, in order, as from a socket."""
 
     def __init__(
-        self, side: ProtocolSide, protocol: asyncio.Protocol, peer: tuple[str, int]
+        self,
+        side: ProtocolSide,
+        protocol: asyncio.Protocol,
+        peer: tuple[str, int],
+        on_close: Callable[[], None],
     ) -> None:
         self._side = side
         self._protocol = protocol
         self._peer = peer
+        self._on_close = on_close
         self._loop = asyncio.get_running_loop()
         self._closing = False
 
@@ -158,6 +166,7 @@ class StreamSide:
         if not self._closing:
             self._closing = True
             self._loop.call_soon(self._side.close)
+            self._on_close()
 
     async def wait_closed(self) -> None:
         return None

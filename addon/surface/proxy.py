@@ -13,7 +13,7 @@ from mitmproxy import command, ctx, exceptions, flow, http
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from addon.answer.early import add_refusal_options
-from addon.answer.endpoint import SpliceEndpoint
+from addon.answer.endpoint import SpliceEndpoint, as_the_client_reads
 from addon.answer.fleet import Fleet
 from addon.answer.pace import add_pace_options, limits_from
 from addon.answer.splice import Splice
@@ -271,6 +271,11 @@ class Spillover:
         if flow.response is None:
             return
         if (splice := self.live.answering(flow)) is not None:
+            if (client_head := as_the_client_reads(flow.response.headers.fields)) is not None:
+                # A copy for the client: mitmproxy reads the endpoint's body by the head
+                # it read (to the connection's close), and sends the client this one.
+                flow.response = flow.response.copy()
+                flow.response.headers.fields = client_head
             flow.response.stream = splice.streaming
         elif not flow.response.stream and arrives_in_pieces(flow.response):
             flow.response.stream = True  # as it comes; -w still keeps it whole
