@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from addon.formats import sse
 from addon.formats.chat import ChatReader
+from addon.formats.chatblock import ordinary_chunks
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
 from addon.formats.pieces import LOGPROBS, TOKEN_IDS, take_pieces, without_pieces
 from addon.formats.toolcalls import ToolCallHold
@@ -62,19 +63,27 @@ def test_splitter_accepts_crlf_streams() -> None:
 
 def test_only_plain_token_chunks_skip_parsing() -> None:
     plain = sse_chunk(" the") + sse_chunk(" river")
-    assert sse.only_plain_chunks(plain)
+    assert ordinary_chunks(plain) is not None
     for unusual in (
         sse_chunk(role=True) + b": ping\n\n",
         sse_chunk(finish="stop"),
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason" : "length"}]}\n\n',
         b'data: {"error":{"message":"x"}}\n\n',
         b"data: [DONE]\n\n",
         b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n',
+        b'data: {"choices":[{"delta":{"tool_calls":[]}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":"x"},"finish_reason":7}]}\n\n',
+        # A key written twice: JSON readers take the last, and so does this one.
+        b'data: {"choices":[{"finish_reason":null}],"choices":[{"finish_reason":"stop"}]}\n\n',
         b"data: {truncated\n\n",
+        b'event: x\ndata: {"choices":[]}\n\n',
+        b"data: []\n\n",
         b"\xff\xfe garbage\n\n",
     ):
-        assert not sse.only_plain_chunks(plain + unusual), unusual
-    # Text that merely mentions the markers is escaped inside JSON and stays on the fast path.
-    assert sse.only_plain_chunks(sse_chunk(' the "error" word'))
+        assert ordinary_chunks(plain + unusual) is None, unusual
+    # Text that merely mentions the markers stays on the fast path.
+    assert ordinary_chunks(sse_chunk(' the "error" word, "usage", "tool_calls"')) is not None
+    assert ordinary_chunks(b'data: {"choices":[{"delta":{"content":"error"}}]}\n\n') is not None
 
 
 @given(st.lists(st.integers(min_value=0), max_size=20))

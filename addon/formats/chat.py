@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from addon.formats import sse
+from addon.formats.chatblock import ordinary_chunks
 from addon.formats.continuation import (
     ChunkRewriter,
     cannot_continue,
@@ -74,11 +75,11 @@ class ChatReader:
     events = staticmethod(sse.events)
 
     def plain(self, block: bytes) -> bytes | None:
-        if not self._fast or not sse.only_plain_chunks(block):
+        if not self._fast or (chunks := ordinary_chunks(block)) is None:
             return None
         # Ids the client did not ask for are cut out of the bytes (the transcript reads
         # them from the block as the server sent it).
-        return without_pieces(block, self.strip_pieces) if self.strip_pieces else block
+        return without_pieces(block, self.strip_pieces, chunks) if self.strip_pieces else block
 
     def take(self, event: bytes) -> list[Event] | str:
         if sse.is_comment(event):

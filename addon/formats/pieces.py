@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, cast
 
-import msgspec
-
-from addon.formats import sse
+from addon.formats.chatblock import Chunk, chunks_of
 
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # Which pieces the addon asked for itself, in the first server's engine's terms, and so
@@ -74,44 +72,28 @@ _KEYS = {
 }
 
 
-class _Choice(msgspec.Struct):
-    logprobs: msgspec.Raw = msgspec.Raw()
-    token_ids: msgspec.Raw = msgspec.Raw()
-
-
-class _Chunk(msgspec.Struct):
-    """Where a chat chunk's pieces are, as the bytes of their values (Raw: not decoded)."""
-
-    choices: list[_Choice] = []
-    timings: msgspec.Raw = msgspec.Raw()
-    prompt_token_ids: msgspec.Raw = msgspec.Raw()
-
-
-_CHUNKS = msgspec.json.Decoder(list[_Chunk])
-
-
-def without_pieces(block: bytes, strip: str) -> bytes | None:
-    """`block` (plain chat chunks) with the token pieces cut out of its bytes as
-    `take_pieces` strips them from a parsed chunk: `token_ids` and `prompt_token_ids`
-    (vLLM's), or `logprobs` (llama-server's). The rest stays as the server wrote it.
-    None where the bytes are not what they seem."""
+def without_pieces(block: bytes, strip: str, chunks: list[Chunk] | None = None) -> bytes | None:
+    """`block` (plain chat chunks; `chunks`, where they have been read already) with the
+    token pieces cut out of its bytes as `take_pieces` strips them from a parsed chunk:
+    `token_ids` and `prompt_token_ids` (vLLM's), or `logprobs` (llama-server's). The rest
+    stays as the server wrote it. None where the bytes are not what they seem."""
     keys = _KEYS[strip]
+    if chunks is None and (chunks := chunks_of(block)) is None:
+        return None
     try:
-        values = _values(block, keys)
+        values = _values(chunks, keys)
         for key in keys:
             block = _cut(block, key, iter(values[key]))
-    except (ValueError, StopIteration, msgspec.MsgspecError):
+    except (ValueError, StopIteration):
         return None
     if any(key[:-1] in block for key in keys):
         return None  # written another way ('"logprobs" :'): the parsed way takes it
     return block
 
 
-def _values(block: bytes, keys: tuple[bytes, ...]) -> dict[bytes, list[bytes]]:
-    """The values of `keys` in the block, as written and in the order written, from one
-    read of all its events as a JSON array (an event's JSON holds no raw newline), each
-    only as far as to know where they lie (msgspec skips the rest unparsed)."""
-    chunks = _CHUNKS.decode(sse.as_array(block))
+def _values(chunks: list[Chunk], keys: tuple[bytes, ...]) -> dict[bytes, list[bytes]]:
+    """The values of `keys` in the block's chunks, as written and in the order written
+    (read only as far as to know where they lie)."""
     values: dict[bytes, list[bytes]] = {key: [] for key in keys}
     logprobs, token_ids = values.get(b'"logprobs":'), values.get(b'"token_ids":')
     timings, prompt_ids = values.get(b'"timings":'), values.get(b'"prompt_token_ids":')

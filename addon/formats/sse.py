@@ -1,8 +1,9 @@
-"""Server-sent-event framing for OpenAI-style streams, with cheap byte-level checks.
+"""Server-sent-event framing for OpenAI-style streams.
 
 The first leg's events are forwarded untouched, so its hot path looks at whole blocks
-of bytes; JSON is parsed for the rare events that need it (errors, finish, anything
-unusual), for the legs whose chunks are rewritten, and lazily at a handoff.
+of bytes (formats/chatblock.py); JSON is parsed for the rare events that need it
+(errors, finish, anything unusual), for the legs whose chunks are rewritten, and lazily
+at a handoff.
 """
 
 from __future__ import annotations
@@ -75,24 +76,6 @@ class EventSplitter:
 def events(block: bytes) -> list[bytes]:
     """The events of a block, without their terminators."""
     return [event for event in block.split(TERMINATOR) if event.strip(b"\n")]
-
-
-def only_plain_chunks(block: bytes) -> bool:
-    """True when every event in the block is an ordinary `data: {...}` chunk that neither
-    ends the answer, reports an error nor carries a piece of a tool call: such a block can
-    be forwarded unread. Anything
-    else (or anything that merely looks like it) goes through the event-by-event path."""
-    n = block.count(TERMINATOR)
-    # Every event ends in "}": no [DONE] among them (a JSON string holds no raw newline).
-    return (
-        block.count(b"data: {") == n
-        and block.count(b"}\n\n") == n
-        and b'"error"' not in block
-        and b'"finish_reason":"' not in block
-        and b'"finish_reason": "' not in block
-        and b'"usage"' not in block
-        and b'"tool_calls"' not in block
-    )
 
 
 def is_comment(event: bytes) -> bool:
