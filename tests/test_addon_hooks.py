@@ -199,7 +199,7 @@ def test_handoff_command_moves_a_live_stream(way: str) -> None:
     assert b" river" in received and received.count(b"[DONE]") == 1
     assert received.endswith(b"data: [DONE]\n\n")  # no chunk framing, its place marked:
     assert (
-        b"\r\nX-Spillover-Client-Framing: chunked\r\n" in received.split(b"\r\n\r\n")[0] + b"\r\n"
+        b"\r\nX-Spillover-Client-Framing: transfer-encoding\r\n" in received.split(b"\r\n\r\n")[0] + b"\r\n"
     )
     # The fallback is also asked once, at start, whether it echoes a prefill (marker Zq7).
     (continued,) = [json.loads(r) for r in fallback.requests if b"Zq7" not in r and r]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -133,6 +134,50 @@ def test_vllm_is_known_and_continues_by_continue_final_message(
     partial = [*PROMPT, {"role": "assistant", "content": "The river"}]
     alone = prompt_count(vllm.url, PROMPT, add_generation_prompt=True)
     assert prompt_count(vllm.url, partial) > prompt_count(vllm.url, partial, **FINAL) > alone
+
+
+def test_a_vllm_stream_reads_through_the_proxy_as_vllm_wrote_it(start_proxy, vllm) -> None:
+    """With no handoff, vLLM's stream through the proxy: its head line by line as uvicorn
+    writes it (lowercase names, its framing where it puts it), and its events, but for
+    what differs between two answers of vLLM itself (ids, stamps, the date)."""
+    proxy = start_proxy(vllm.url, [])
+    proxy.servers_known()
+    body = json.dumps(
+        {"model": SERVED_NAME, "messages": PROMPT, "max_tokens": 12, "temperature": 0,
+         "stream": True}
+    ).encode()  # fmt: skip
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    heads, streams = [], []
+    for port in (vllm.port, proxy.port):
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+            sock.sendall(request)
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n") and (data := sock.recv(65536)):
+                answer += data
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        heads.append([line for line in head.split(b"\r\n") if not line.startswith(b"date:")])
+        streams.append([_steady(event) for event in _events(rest)])
+    assert b"transfer-encoding: chunked" in heads[0], heads[0]
+    assert heads[1] == heads[0]
+    assert streams[1] == streams[0] and streams[0][-1] == "[DONE]"
+
+
+def _events(chunked: bytes) -> list[bytes]:
+    """The SSE events of a chunked body."""
+    body, rest = b"", chunked
+    while (size := int(rest.split(b"\r\n", 1)[0], 16)) > 0:
+        start = rest.index(b"\r\n") + 2
+        body, rest = body + rest[start : start + size], rest[start + size + 2 :]
+    return [e[6:] for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+
+
+def _steady(event: bytes) -> object:
+    if event == b"[DONE]":
+        return "[DONE]"
+    return {k: v for k, v in json.loads(event).items() if k not in ("id", "created")}
 
 
 def test_a_killed_llama_server_is_continued_by_vllm(

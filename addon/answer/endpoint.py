@@ -54,8 +54,12 @@ class HttpClientStream:
         """The head of a streamed answer; the client's is chunked, as llama-server's is,
         with the framing where the server had it."""
         self.started = True
+        # The marker's value: the name of the line it stands for, spelled as the server
+        # spelled it (uvicorn writes it lowercase, llama-server capitalized).
+        spelled = next((k for k, _ in headers if k.lower() == b"transfer-encoding"), None)
+        marker = (FRAMING_HEADER, spelled or b"Transfer-Encoding")
         lines = [b"HTTP/1.1 %d %s" % (status, reason or _phrase(status))]
-        lines += [b"%s: %s" % field for field in framed(headers, (FRAMING_HEADER, b"chunked"))]
+        lines += [b"%s: %s" % field for field in framed(headers, marker)]
         self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n")
 
     def write(self, data: bytes) -> None:
@@ -280,8 +284,9 @@ def as_the_client_reads(fields: tuple[Header, ...]) -> tuple[Header, ...] | None
     marker = FRAMING_HEADER.lower()
     if not any(name.lower() == marker for name, _ in fields):
         return None
-    framing = (b"Transfer-Encoding", b"chunked")
-    return tuple(framing if name.lower() == marker else (name, value) for name, value in fields)
+    return tuple(
+        (value, b"chunked") if name.lower() == marker else (name, value) for name, value in fields
+    )
 
 
 def _phrase(status: int) -> bytes:
