@@ -10,7 +10,7 @@ import pytest
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.test import taddons, tflow
 
-from addon.answer.endpoint import TOKEN_HEADER
+from addon.answer.endpoint import FRAMING_HEADER, TOKEN_HEADER
 from addon.servers.upstream import Upstream
 from addon.surface.proxy import Spillover
 from scripts.testbed.scripted_upstream import STREAM_HEAD, FakeUpstream, chunked, sse_chunk
@@ -198,9 +198,8 @@ def test_handoff_command_moves_a_live_stream(way: str) -> None:
     received = asyncio.run(run())
     assert b" river" in received and received.count(b"[DONE]") == 1
     assert received.endswith(b"data: [DONE]\n\n")  # no chunk framing, its place marked:
-    assert (
-        b"\r\nX-Spillover-Client-Framing: transfer-encoding\r\n" in received.split(b"\r\n\r\n")[0] + b"\r\n"
-    )
+    head = received.split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert head[1:] == [b"content-type: text/event-stream", FRAMING_HEADER + b": transfer-encoding"]
     # The fallback is also asked once, at start, whether it echoes a prefill (marker Zq7).
     (continued,) = [json.loads(r) for r in fallback.requests if b"Zq7" not in r and r]
     assert continued["messages"][-1] == {"role": "assistant", "content": " the"}
