@@ -48,8 +48,8 @@ class LiveAnswers:
         self.by_flow[flow.id] = live
         live.token = self.endpoint.expect(splice)
         data.scheme, data.host, data.port = b"http", "127.0.0.1", self.endpoint.port
-        # So that the endpoint frames a stream as llama-server does for any client
-        # (chunked), not as h11 must for an HTTP/1.0 one (until the connection closes).
+        # So that h11 writes a whole answer as to any client, without the `Connection:
+        # close` it adds for an HTTP/1.0 one (a stream's head the endpoint writes itself).
         data.http_version = b"HTTP/1.1"
         flow.request.headers[TOKEN_HEADER] = live.token
 
