@@ -28,6 +28,7 @@ from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, bodies_kept, flows_kept, show, show_handoffs, show_leg
+from addon.surface.listenqueue import listen_deeper
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
 from addon.surface.mistakes import given_twice, refuse_at_start, unknown_options
@@ -189,6 +190,8 @@ class Spillover:
             ctx.options.update(store_streamed_bodies=True)
         await self.endpoint.start()
         self.status_parts["splice_endpoint"] = self.endpoint.status
+        if (server := ctx.master.addons.get("proxyserver")) is not None:
+            listen_deeper({address[1] for address in server.listen_addrs()})
         self._pace_watch = asyncio.ensure_future(self._watch_pace())
         if every := ctx.options.spillover_health_s:
             self._health_watch = asyncio.ensure_future(
