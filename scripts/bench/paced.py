@@ -10,7 +10,8 @@ tokenizer: a second stand-in), and the addon over worker processes behind HAProx
 delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
 the proxy's CPU (its processes together, in cores, and in CPU seconds per 10,000 events
 delivered) and its memory per 1,000 open streams (its resident memory at its most while
-the row streams, over idle); then each route against plain mitmdump, as ratios.
+the row streams, over idle), and when the last stream's first event came ("1st max", ms
+after all were asked); then each route against plain mitmdump, as ratios.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
 """
@@ -47,16 +48,21 @@ def cpu_seconds(pids: list[int]) -> float:
 
 async def paced_streams(
     port: int, streams: int, rate: int, seconds: float
-) -> tuple[int, float, list[float]]:
-    """(events received, seconds until the last stream ended, latencies in ms)."""
+) -> tuple[int, float, list[float], list[float]]:
+    """(events received, seconds until the last stream ended, latencies in ms, each
+    stream's first event in ms after they were all asked)."""
     body = {
         "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
         "messages": MESSAGES,
     }  # fmt: skip
     latencies: list[float] = []
+    firsts: list[float] = []
     start = time.perf_counter()
-    counts = await asyncio.gather(*(read_stream(port, body, latencies) for _ in range(streams)))
-    return sum(counts), time.perf_counter() - start, latencies
+    counts = await asyncio.gather(
+        *(read_stream(port, body, latencies, firsts) for _ in range(streams))
+    )
+    took = time.perf_counter() - start
+    return sum(counts), took, latencies, [1000 * (first - start) for first in firsts]
 
 
 def percentile(samples: list[float], fraction: float) -> float:
@@ -65,8 +71,10 @@ def percentile(samples: list[float], fraction: float) -> float:
 
 
 # asked ev/s, got ev/s, p50, p99, proxy cores, proxy CPU s per 10,000 events, MiB per
-# 1,000 open streams (the proxy's resident memory at its most in the row, over idle)
-Row = tuple[float, float, float, float, float, float, float]
+# 1,000 open streams (the proxy's resident memory at its most in the row, over idle),
+# the last stream's first event (ms after all were asked: a connection the proxy's
+# listening queue dropped starts on its client's retry, a second later)
+Row = tuple[float, float, float, float, float, float, float, float]
 
 
 def resident_mib(pids: list[int]) -> float:
@@ -92,7 +100,7 @@ def measure(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    events, took, latencies = asyncio.run(paced_streams(port, streams, rate, seconds))
+    events, took, latencies, firsts = asyncio.run(paced_streams(port, streams, rate, seconds))
     done.set()
     sampler.join()
     cpu = cpu_seconds(pids()) - used
@@ -104,6 +112,7 @@ def measure(
         cpu / took,
         1e4 * cpu / max(events, 1),
         1000 * (max(most) - idle) / streams,
+        max(firsts, default=float("nan")),
     )
 
 
@@ -133,14 +142,14 @@ def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]
     """Each row absolute and over direct (the latency the route adds), then each route
     against plain mitmdump as ratios."""
     heads = ("asked/s", "got/s", "got %", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "cores")
-    heads += ("cpu/10k", "MiB/1k")
+    heads += ("cpu/10k", "MiB/1k", "1st max")
     lines = [f"{'streams':>7}  {'route':16} " + " ".join(f"{h:>8}" for h in heads)]
-    for (streams, name), (asked, got, p50, p99, cores, cpu, mib) in rows.items():
+    for (streams, name), (asked, got, p50, p99, cores, cpu, mib, first) in rows.items():
         direct = rows[streams, "direct"]
         lines.append(
             f"{streams:7}  {name:16} {asked:8.0f} {got:8.0f} {100 * got / asked:8.1f} "
             f"{p50:8.2f} {p99:8.2f} {p50 - direct[2]:8.2f} {p99 - direct[3]:8.2f} {cores:8.2f} "
-            f"{cpu:8.3f} {mib:8.1f}"
+            f"{cpu:8.3f} {mib:8.1f} {first:8.0f}"
         )
     for streams in counts:
         plain = rows[streams, "plain mitmdump"]

@@ -120,7 +120,7 @@ def run_route(name: str, source: SseSource, twin: SseSource, work: Path, args) -
             if name == "handoff":
                 mover.start()
             used = cpu_seconds([proxy.pid])
-            events, _, _ = asyncio.run(
+            events, _, _, _ = asyncio.run(
                 paced_streams(proxy.port, streams, args.rate, args.seconds - 1)
             )
             cpu = cpu_seconds([proxy.pid]) - used

@@ -45,8 +45,11 @@ class SseSource(ManagedProcess):
         return [sys.executable, "-m", "scripts.testbed.sse_source", str(self.port)]
 
 
-async def read_stream(port: int, body: dict, latencies: list[float] | None = None) -> int:
-    """Stream one answer over a raw socket; count its chunks (and their latencies)."""
+async def read_stream(
+    port: int, body: dict, latencies: list[float] | None = None, firsts: list[float] | None = None
+) -> int:
+    """Stream one answer over a raw socket; count its chunks (and their latencies, and
+    when its first chunk came: time.perf_counter())."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
     writer.write(
@@ -65,6 +68,8 @@ async def read_stream(port: int, body: dict, latencies: list[float] | None = Non
         pending += body.feed(data)
         end = pending.rfind(b"\n\n") + 2  # count complete events only
         block, pending = pending[:end], pending[end:]
+        if firsts is not None and not events and b'"sent_ns":' in block:
+            firsts.append(time.perf_counter())
         events += block.count(b'"sent_ns":')
         if latencies is not None:
             latencies.extend((now - int(m)) / 1e6 for m in SENT.findall(block))
