@@ -33,6 +33,8 @@ def listen_deeper(ports: set[int], backlog: int = BACKLOG) -> set[int]:
             if not os.readlink(FDS / name).startswith("socket:"):
                 continue
             with socket.socket(fileno=os.dup(int(name))) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
                 listens = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
                 if sock.type != socket.SOCK_STREAM or not listens:
                     continue
