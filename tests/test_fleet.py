@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from scripts.testbed.fleet import NodeExporter, Prometheus, not_installed
@@ -69,13 +68,9 @@ def fleet(start_server_module, start_proxy_module, tmp_path_factory, server_logs
     exporter.stop()
 
 
-def status(proxy) -> dict:
-    return httpx.get(f"{proxy.url}/spillover/status").json()
-
-
 def wait_state(proxy, server, wanted: str) -> dict:
     deadline = time.monotonic() + WAIT_S
-    while (now := status(proxy))["routing"]["states"][server.url]["state"] != wanted:
+    while (now := proxy.status())["routing"]["states"][server.url]["state"] != wanted:
         assert time.monotonic() < deadline, now["routing"]["states"]
         time.sleep(0.05)
     return now
@@ -85,7 +80,7 @@ def test_remote_cards_are_read_and_mapped_by_host(fleet) -> None:
     proxy, a, b = fleet["proxy"], fleet["a"], fleet["b"]
     a_card, b_card = A_CARD, f"prom:{socket.gethostname()}:drm:card0"
     deadline = time.monotonic() + WAIT_S
-    while not {a_card, b_card} <= set((now := status(proxy))["memory"]["cards"]) or any(
+    while not {a_card, b_card} <= set((now := proxy.status())["memory"]["cards"]) or any(
         seen["scraped_every_s"] is None for seen in now["memory"]["prometheus"]["cards"].values()
     ):  # (its scrape interval is known from its second sample on)
         assert time.monotonic() < deadline, now["memory"]
@@ -127,8 +122,8 @@ def test_a_step_on_the_remote_primarys_card_hands_off_and_reroutes(fleet) -> Non
             with held(a):  # the answer waits on A until the pressure is seen
                 fleet["a_card"].set_used(STEP)
                 deadline = time.monotonic() + WAIT_S
-                while status(proxy)["memory"]["cards"][A_CARD]["armed"]:
-                    assert time.monotonic() < deadline, status(proxy)["memory"]
+                while proxy.status()["memory"]["cards"][A_CARD]["armed"]:
+                    assert time.monotonic() < deadline, proxy.status()["memory"]
                     time.sleep(0.05)
 
     stream = read_stream(proxy.url, chat_body(200), on_chunk=step_while_held)
@@ -136,7 +131,7 @@ def test_a_step_on_the_remote_primarys_card_hands_off_and_reroutes(fleet) -> Non
     (note,) = stream.notes
     assert f"-> {b.url}" in note and f"memory pressure on {A_CARD}: step" in note, note
     # Confirmed by the next scrape, not by the same sample read again.
-    (moved,) = [h for h in status(proxy)["recent_handoffs"] if h["kind"] == "pressure"]
+    (moved,) = [h for h in proxy.status()["recent_handoffs"] if h["kind"] == "pressure"]
     assert moved["crossed_ms"] >= 0.8 * SCRAPE_S * 1000, moved
     wait_state(proxy, a, "pressured")  # (held, A missed a health check: down for a moment)
     new = read_stream(proxy.url, chat_body(8))
@@ -212,5 +207,5 @@ def test_proxies_side_by_side_carry_answers_without_coordinating(
         (note,) = stream.notes
         assert f"-> {fallback.url}" in note, note
     for proxy in proxies:
-        handoffs = status(proxy)["recent_handoffs"]
+        handoffs = proxy.status()["recent_handoffs"]
         assert len(handoffs) == 2, handoffs

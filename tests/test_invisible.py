@@ -238,7 +238,7 @@ def test_answers_on_one_kept_connection_each_end_their_endpoint_connection(twins
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-    endpoint = status(proxy)["splice_endpoint"]
+    endpoint = proxy.status()["splice_endpoint"]
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as sock:
         for _ in range(2):
             sock.sendall(request)
@@ -250,16 +250,12 @@ def test_answers_on_one_kept_connection_each_end_their_endpoint_connection(twins
             head, _, rest = answer.partition(b"\r\n\r\n")
             assert b"\r\nTransfer-Encoding: chunked" in head and b"Spillover" not in head
             assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-        after = status(proxy)["splice_endpoint"]
+        after = proxy.status()["splice_endpoint"]
         assert after["in process"] == endpoint["in process"] + 2, (endpoint, after)
         deadline = time.monotonic() + 10
-        while (after := status(proxy)["splice_endpoint"])["open"]:
+        while (after := proxy.status()["splice_endpoint"])["open"]:
             assert time.monotonic() < deadline, after
             time.sleep(0.05)
-
-
-def status(proxy) -> dict[str, Any]:
-    return httpx.get(f"{proxy.url}/spillover/status", timeout=30).json()
 
 
 def first_difference(a: Any, b: Any, where: str = "") -> str:

@@ -31,7 +31,7 @@ from addon.handoff.seen import prefill_echoed
 from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import CHAT_RENDERING
-from addon.servers.upstream import Upstream
+from addon.servers.upstream import ChunkedBody, Upstream
 from addon.servers.vllm_routes import OFF
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamacpppython import LlamaCppPythonServer
@@ -167,11 +167,10 @@ def test_a_vllm_stream_reads_through_the_proxy_as_vllm_wrote_it(start_proxy, vll
 
 def _events(chunked: bytes) -> list[bytes]:
     """The SSE events of a chunked body."""
-    body, rest = b"", chunked
-    while (size := int(rest.split(b"\r\n", 1)[0], 16)) > 0:
-        start = rest.index(b"\r\n") + 2
-        body, rest = body + rest[start : start + size], rest[start + size + 2 :]
-    return [e[6:] for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+    body = ChunkedBody()
+    data = body.feed(chunked)
+    assert body.complete
+    return [e[6:] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
 
 
 def _steady(event: bytes) -> object:

@@ -84,7 +84,7 @@ class Mitmdump(ManagedProcess):
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/spillover/status").json().get("pid") == self.pid:
+                if self.status().get("pid") == self.pid:
                     return
             assert self.process is not None
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -94,6 +94,10 @@ class Mitmdump(ManagedProcess):
                 raise ServerFailed(f"{self.name}: {why}:\n{self.log_tail()}")
             time.sleep(0.02)
 
+    def status(self) -> dict[str, Any]:
+        """The addon's /spillover/status, as it answers now."""
+        return httpx.get(f"{self.url}/spillover/status", timeout=30).json()
+
     def servers_known(self, timeout: float = 30) -> dict[str, Any]:
         """Wait until the addon has asked each of its servers about itself (it does so in
         the background at start), and each fallback that answers without a key has
@@ -102,7 +106,7 @@ class Mitmdump(ManagedProcess):
         urls = [self.primary, *self.fallbacks]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            servers = httpx.get(f"{self.url}/spillover/status").json()["servers"]
+            servers = self.status()["servers"]
             known = [servers.get(url, {}) for url in urls]
             if all(info.get("asked") for info in known) and all(
                 _settled(info) for info in known[1:]
