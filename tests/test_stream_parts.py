@@ -13,7 +13,13 @@ from addon.formats import sse
 from addon.formats.chat import ChatReader
 from addon.formats.chatblock import ordinary_chunks
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
-from addon.formats.pieces import LOGPROBS, TOKEN_IDS, take_pieces, without_pieces
+from addon.formats.pieces import (
+    LOGPROBS,
+    LOGPROBS_COUNTED,
+    TOKEN_IDS,
+    take_pieces,
+    without_pieces,
+)
 from addon.formats.toolcalls import ToolCallHold
 from addon.formats.transcript import Transcript
 from addon.handoff.exact import NativeToChat, native_body
@@ -130,12 +136,11 @@ def delivered(*texts: str, echoes: bool | None = False) -> Transcript:
     transcript.begin_leg("http://primary", echoes=echoes)
     reader = ChatReader(transcript, None, False, "http://primary")
     block = sse_chunk(role=True) + b"".join(sse_chunk(t) for t in texts)
-    transcript.record_raw(block, reader.read_block)
-    transcript.settle()
+    assert reader.plain(block) == block  # forwarded unread, and read as it goes
     return transcript
 
 
-def test_transcript_reads_forwarded_blocks_lazily() -> None:
+def test_transcript_reads_forwarded_blocks() -> None:
     transcript = delivered(" the", " river")
     assert transcript.text == " the river" and transcript.produced == 2
     assert transcript.role_sent and transcript.id == "chatcmpl-fake"
@@ -371,6 +376,49 @@ def test_pieces_cut_from_the_bytes_are_what_parsing_takes_out(block: bytes) -> N
     take_pieces(parsed, strip)
     assert json.loads(cut[6:]) == parsed
     assert cut.endswith(b"}\n\n")
+
+
+_MEMBERS = st.dictionaries(
+    st.sampled_from(["id", "object", "model", "x"]),
+    st.one_of(st.integers(), st.text(max_size=8), st.just({"logprobs": 12})),
+    max_size=3,
+)
+
+
+@st.composite
+def _counted_chunks(draw) -> dict:
+    """A chat chunk with llama-server's logprobs and timings among other members, in any
+    order (a nested object may name `logprobs` too)."""
+    entry = {"id": draw(st.integers(0, 99)), "bytes": [120], "token": "x"}
+    choice = {**draw(_MEMBERS), "delta": {"content": draw(st.text(max_size=5))}}
+    choice["logprobs"] = draw(st.sampled_from([{"content": [entry]}, None, 1, 12]))
+    chunk = {**draw(_MEMBERS), "choices": [dict(draw(st.permutations(list(choice.items()))))]}
+    chunk["timings"] = {"predicted_n": draw(st.integers(0, 9)), "prompt_n": 3}
+    return dict(draw(st.permutations(list(chunk.items()))))
+
+
+@given(
+    st.lists(_counted_chunks(), min_size=1, max_size=4),
+    st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]),
+)
+def test_ids_and_counts_cut_from_a_block_are_what_parsing_takes_out(chunks, separators) -> None:
+    """The cut of llama-server's logprobs and timings (the counted ids) out of a block's
+    bytes reads, where it is made, as the parsed way leaves each chunk; compact JSON, as
+    servers write it, is always cut unless a nested object names the key too."""
+    block = b"".join(
+        b"data: " + json.dumps(c, separators=separators).encode() + b"\n\n" for c in chunks
+    )
+    cut = without_pieces(block, LOGPROBS_COUNTED)
+    parsed = []
+    for chunk in chunks:
+        chunk = json.loads(json.dumps(chunk))
+        take_pieces(chunk, LOGPROBS_COUNTED)
+        del chunk["timings"]
+        parsed.append(chunk)
+    if cut is not None:
+        assert [json.loads(e[6:]) for e in sse.events(cut)] == parsed
+    elif separators == (",", ":"):
+        assert block.count(b'"logprobs"') > len(chunks)  # nested: left to the parsed way
 
 
 def test_pieces_written_another_way_are_left_to_the_parsed_way() -> None:

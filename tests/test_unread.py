@@ -75,17 +75,26 @@ def _state(transcript: Transcript) -> dict:
 
 @pytest.mark.parametrize("size", [1, 3, 8])
 def test_a_block_read_in_one_decode_reads_as_event_by_event(size: int) -> None:
-    """Blocks forwarded unread are read with one msgspec decode of the block when its
-    events are one-line `data:` objects: the transcript is the one the event-by-event
-    read gives, on every recorded chat answer (with its token pieces and timings), and on
-    blocks that one decode cannot take (read event by event instead)."""
+    """A chat block forwarded unread is read from the one typed decode that found it
+    ordinary (Transcript.record_read): the transcript is the one the event-by-event read
+    of the parsed chunks gives, on every recorded chat answer (with its token pieces and
+    timings), on the stand-in's chunks with ids, and on blocks that decode cannot take
+    (read event by event instead)."""
     odd = [
         b'data: {"id":"c","choices":[{"index":0,\ndata: "delta":{"content":" two"}}]}\n\n',
         b'id: 7\ndata: {"id":"c","choices":[{"index":0,"delta":{"content":" x"}}]}\n\n',
         b'data:{"id":"c","choices":[{"index":0,"delta":{"content":" y"}}]}\n\n',
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":7}}]}\n\n',
     ]
-    streams = [*_recorded_chat_events(), odd, [chunk(i, ids=True, timed=True) for i in range(40)]]
+    thinking = [
+        b'data: {"choices":[{"delta":{"reasoning":"a","reasoning_content":"a"},'
+        b'"token_ids":[5,6]}],"model":null}\n\n',
+        b'data: {"choices":[{"delta":{"content":"b"},"token_ids":[7]}]}\n\n',
+    ]
+    with_ids = [chunk(i, ids=True, timed=True) for i in range(40)]
+    streams = [*_recorded_chat_events(), odd, thinking, with_ids]
     assert len(streams) > 10
+    read_typed = 0
     for events in streams:
         blocks = [b"".join(events[i : i + size]) for i in range(0, len(events), size)]
         one, other = Transcript(), Transcript()
@@ -93,8 +102,11 @@ def test_a_block_read_in_one_decode_reads_as_event_by_event(size: int) -> None:
             transcript.begin_leg("http://127.0.0.1:1", raw_pieces=True)
         reader = ChatReader(one, None, None, "http://127.0.0.1:1")
         for block in blocks:
-            reader.read_block(block)
+            if reader.plain(block) is None:
+                read_payloads(sse.events(block), sse.parse, one.record)
+            else:
+                read_typed += 1
             read_payloads(sse.events(block), sse.parse, other.record)
-        assert _state(one) == _state(other)
-    assert sse.objects(odd[0]) is None and sse.objects(odd[1]) is None
-    assert sse.objects(b"".join(streams[-1][:3])) is not None
+            assert _state(one) == _state(other)
+    assert read_typed > len(streams)
+    assert all(ChatReader(Transcript(), None, None, "x").plain(b) is None for b in odd)

@@ -1,6 +1,6 @@
 """One leg's events into the client's stream, whatever its wire format.
 
-Blocks its reader calls plain go out unread (a few byte scans per read: the hot path).
+Blocks its reader calls plain go out unread (one typed decode per read: the hot path).
 Anything else is taken event by event: the reader parses it, rewrites it for the client's
 stream and says whether it goes out now, waits for what follows, or belongs to the
 answer's end, which is held back whole until the stream's last event so that nothing
@@ -166,7 +166,6 @@ class Pump:
             return False
         if not self._held and (unread := reader.plain(block)) is not None:
             self.client.write(unread)  # the hot path: ordinary tokens, forwarded unread
-            self.transcript.record_raw(block, reader.read_block)
             return False
         if reader.reads_transcript:
             self.transcript.settle()

@@ -27,7 +27,6 @@ from addon.formats.dialect import (
     Step,
     has_messages,
     json_object,
-    read_payloads,
 )
 from addon.formats.pieces import (
     LOGPROBS_COUNTED,
@@ -77,9 +76,13 @@ class ChatReader:
     def plain(self, block: bytes) -> bytes | None:
         if not self._fast or (chunks := ordinary_chunks(block)) is None:
             return None
-        # Ids the client did not ask for are cut out of the bytes (the transcript reads
-        # them from the block as the server sent it).
-        return without_pieces(block, self.strip_pieces, chunks) if self.strip_pieces else block
+        # Ids the client did not ask for are cut out of the bytes; the transcript reads
+        # them from the chunks as the server sent them, at once: the decode is done.
+        unread = without_pieces(block, self.strip_pieces, chunks) if self.strip_pieces else block
+        if unread is not None:
+            for chunk in chunks:
+                self.transcript.record_read(chunk)
+        return unread
 
     def take(self, event: bytes) -> list[Event] | str:
         if sse.is_comment(event):
@@ -136,13 +139,6 @@ class ChatReader:
 
     def record(self, payload: tuple[dict[str, Any], Any]) -> None:
         self.transcript.record_in_turn(payload)  # after the blocks before it
-
-    def read_block(self, block: bytes) -> None:
-        if (chunks := sse.objects(block)) is None:
-            read_payloads(sse.events(block), sse.parse, self.transcript.record)
-            return
-        for chunk in chunks:
-            self.transcript.record(chunk)
 
     def close(self) -> bytes | None:
         # The server finished its answer and died before [DONE]: the answer is whole.

@@ -1,14 +1,17 @@
 """What the hot path reads of a block of chat chunks, in one typed decode: msgspec reads
-the few fields named here and skips the rest of each chunk unparsed (0.9-1.2 us for a
+the few fields named here and skips the rest of each chunk unparsed (0.9-1.5 us for a
 llama-server token chunk, where scanning its bytes once per marker took 2.2-2.7).
 
 A block whose chunks are all ordinary token chunks goes to the client unread (with the
-ids the addon asked for cut out of its bytes: formats/pieces.py); anything else, or
+ids the addon asked for cut out of its bytes: formats/pieces.py), and the transcript
+takes what it keeps from the same decode (Transcript.record_read); anything else, or
 anything msgspec will not read, goes event by event through the chat reader, which has
 the last word on it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -16,17 +19,29 @@ from addon.formats import sse
 
 
 class Delta(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None  # llama-server's reasoning
+    reasoning: str | None = None  # vLLM's
     tool_calls: msgspec.Raw = msgspec.Raw()
+
+
+NO_DELTA = Delta()
 
 
 class Choice(msgspec.Struct):
     finish_reason: str | None = None
     delta: Delta | None = None
-    logprobs: msgspec.Raw = msgspec.Raw()  # (Raw: only where it lies, not decoded)
+    text: str | None = None  # a text completion's
+    # Raw: where it lies in the bytes, decoded only when the transcript reads it.
+    logprobs: msgspec.Raw = msgspec.Raw()
     token_ids: msgspec.Raw = msgspec.Raw()
 
 
 class Chunk(msgspec.Struct):
+    id: Any = None
+    created: Any = None
+    model: Any = msgspec.UNSET  # (UNSET: not written; null is written)
     choices: list[Choice] = []
     error: msgspec.Raw = msgspec.Raw()
     usage: msgspec.Raw = msgspec.Raw()

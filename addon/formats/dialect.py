@@ -65,8 +65,9 @@ class LegReader(Protocol):
     def events(self, block: bytes) -> list[bytes]: ...
 
     def plain(self, block: bytes) -> bytes | None:
-        """What of the whole block goes out unread (the hot path; the transcript reads the
-        block itself later), or None when it is taken event by event."""
+        """What of the whole block goes out unread (the hot path), the block accounted for
+        in the transcript (read now, or kept to be read later: Transcript.record_raw), or
+        None when it is taken event by event."""
         ...
 
     def take(self, event: bytes) -> list[Event] | str:
@@ -75,10 +76,6 @@ class LegReader(Protocol):
 
     def record(self, payload: Any) -> None:
         """Account for a payload the client has received."""
-        ...
-
-    def read_block(self, block: bytes) -> None:
-        """Account for a block that went out unread."""
         ...
 
     def close(self) -> bytes | None:

@@ -57,7 +57,7 @@ class MessagesReader(TypedEventReader):
             and block.count(b'"type":"text_delta"') + block.count(b'"type":"thinking_delta"') == n
             and b'"error"' not in block
         )
-        return block if plain else None
+        return self.unread(block) if plain else None
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         if payload.get("type") == "error" or ("error" in payload and "type" not in payload):

@@ -85,7 +85,10 @@ class OllamaReader:
             and b'"error"' not in block
             and b'"tool_calls"' not in block
         )
-        return block if plain else None
+        if not plain:
+            return None
+        self.transcript.record_raw(block, self.read_block)  # read when it must be
+        return block
 
     def take(self, event: bytes) -> list[Event] | str:
         payload = json_object(event, loads)

@@ -4,10 +4,11 @@ out of a block's bytes before the client sees them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, cast
 
-from addon.formats.chatblock import Chunk, chunks_of
+import msgspec
+
+from addon.formats.chatblock import NO_DELTA, Chunk, chunks_of
 
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # Which pieces the addon asked for itself, in the first server's engine's terms, and so
@@ -23,12 +24,43 @@ TIMINGS = "timings"
 # vLLM's `reasoning` (vLLM 0.32's only one; the builds between its rename and the old
 # name's removal, about 0.12 to 0.15, write both in each delta, the same text).
 REASONING_FIELDS = ("reasoning_content", "reasoning")
+_LOADS = msgspec.json.Decoder().decode
+
+
+class _Entry(msgspec.Struct):
+    id: Any = None
+    bytes: Any = None
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_Entry] | None = None
+
+
+class _Timings(msgspec.Struct):
+    predicted_n: Any = None
+
+
+_LOGPROBS = msgspec.json.Decoder(_Logprobs).decode
+_TIMINGS = msgspec.json.Decoder(_Timings).decode
 
 
 def server_count(chunk: dict[str, Any]) -> int | None:
     """The tokens the server says its leg has generated, where the chunk says
     (llama-server's `timings.predicted_n`)."""
-    timings = chunk.get("timings")
+    return _count_in(chunk.get("timings"))
+
+
+def read_count(chunk: Chunk) -> int | None:
+    """`server_count` for a chunk as chatblock read it."""
+    if not chunk.timings:
+        return None
+    try:
+        return _count_in({"predicted_n": _TIMINGS(chunk.timings).predicted_n})
+    except msgspec.ValidationError:
+        return None  # not an object: no count
+
+
+def _count_in(timings: Any) -> int | None:
     made = timings.get("predicted_n") if isinstance(timings, dict) else None
     return made if isinstance(made, int) and not isinstance(made, bool) else None
 
@@ -53,23 +85,47 @@ def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] 
         taken = choice.pop if strip == TOKEN_IDS else choice.get
         token_ids = taken("token_ids", None)
         if isinstance(token_ids, list):
-            pieces = [*(pieces or []), *_id_pieces(choice, token_ids)]
+            found = _id_pieces(token_ids, _text_of(choice))
+        else:
+            logprobs = choice.pop("logprobs", None) if strip == LOGPROBS else choice.get("logprobs")
+            if (found := _logprob_pieces(logprobs)) is None:
+                continue
+        pieces = [*(pieces or []), *found]
+    return _known(pieces)
+
+
+def read_pieces(chunk: Chunk) -> list[Piece] | None:
+    """`take_pieces` for a chunk as chatblock read it (its pieces' fields decoded only
+    now); nothing is stripped: the cut takes them out of the bytes."""
+    pieces: list[Piece | None] | None = None
+    for choice in chunk.choices:
+        token_ids = _LOADS(choice.token_ids) if choice.token_ids else None
+        if isinstance(token_ids, list):
+            delta = choice.delta or NO_DELTA
+            thought = delta.reasoning_content or delta.reasoning or ""
+            found = _id_pieces(token_ids, thought + (delta.content or choice.text or ""))
+        elif (found := _read_logprob_pieces(choice.logprobs)) is None:
             continue
-        logprobs = choice.pop("logprobs", None) if strip == LOGPROBS else choice.get("logprobs")
-        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
-            pieces = (pieces or []) + [_piece(entry) for entry in logprobs["content"]]
+        pieces = [*(pieces or []), *found]
+    return _known(pieces)
+
+
+def _known(pieces: list[Piece | None] | None) -> list[Piece] | None:
     if pieces is None or None in pieces:
         return None  # none, or in a form without ids: the text is what can be replayed
     return cast(list[Piece], pieces)  # no None among them
 
 
 _SPACE = b" \t\r\n"
+_SPACES = (b" ", b"\t", b"\r", b"\n")
 _KEYS = {
     TOKEN_IDS: (b'"token_ids":', b'"prompt_token_ids":'),
     LOGPROBS: (b'"logprobs":',),
     LOGPROBS_COUNTED: (b'"logprobs":', b'"timings":'),
     TIMINGS: (b'"timings":',),
 }
+# Each key as a bare name (as in '"logprobs" :'), to see that none is left once cut.
+_NAMES = {strip: tuple(key[:-1] for key in keys) for strip, keys in _KEYS.items()}
 
 
 def without_pieces(block: bytes, strip: str, chunks: list[Chunk] | None = None) -> bytes | None:
@@ -77,87 +133,94 @@ def without_pieces(block: bytes, strip: str, chunks: list[Chunk] | None = None) 
     token pieces cut out of its bytes as `take_pieces` strips them from a parsed chunk:
     `token_ids` and `prompt_token_ids` (vLLM's), or `logprobs` (llama-server's). The rest
     stays as the server wrote it. None where the bytes are not what they seem."""
-    keys = _KEYS[strip]
     if chunks is None and (chunks := chunks_of(block)) is None:
         return None
     try:
-        values = _values(chunks, keys)
-        for key in keys:
-            block = _cut(block, key, iter(values[key]))
-    except (ValueError, StopIteration):
+        for key, values in zip(_KEYS[strip], _values(chunks, strip), strict=True):
+            block = _cut(block, key, values)
+    except ValueError:
         return None
-    if any(key[:-1] in block for key in keys):
-        return None  # written another way ('"logprobs" :'): the parsed way takes it
+    for name in _NAMES[strip]:
+        if name in block:
+            return None  # written another way ('"logprobs" :'): the parsed way takes it
     return block
 
 
-def _values(chunks: list[Chunk], keys: tuple[bytes, ...]) -> dict[bytes, list[bytes]]:
-    """The values of `keys` in the block's chunks, as written and in the order written
-    (read only as far as to know where they lie)."""
-    values: dict[bytes, list[bytes]] = {key: [] for key in keys}
-    logprobs, token_ids = values.get(b'"logprobs":'), values.get(b'"token_ids":')
-    timings, prompt_ids = values.get(b'"timings":'), values.get(b'"prompt_token_ids":')
+def _values(chunks: list[Chunk], strip: str) -> tuple[list[bytes], ...]:
+    """The values of the keys `strip` names in the block's chunks, key by key, as written
+    and in the order written (read only as far as to know where they lie)."""
+    first: list[bytes] = []
+    second: list[bytes] = []
     for chunk in chunks:
-        for choice in chunk.choices:
-            if logprobs is not None and choice.logprobs:
-                logprobs.append(bytes(choice.logprobs))
-            if token_ids is not None and choice.token_ids:
-                token_ids.append(bytes(choice.token_ids))
-        if timings is not None and chunk.timings:
-            timings.append(bytes(chunk.timings))
-        if prompt_ids is not None and chunk.prompt_token_ids:
-            prompt_ids.append(bytes(chunk.prompt_token_ids))
-    return values
+        if strip == TOKEN_IDS:
+            first += [bytes(c.token_ids) for c in chunk.choices if c.token_ids]
+            if chunk.prompt_token_ids:
+                second.append(bytes(chunk.prompt_token_ids))
+            continue
+        if strip != TIMINGS:
+            first += [bytes(c.logprobs) for c in chunk.choices if c.logprobs]
+        if strip != LOGPROBS and chunk.timings:
+            (second if strip == LOGPROBS_COUNTED else first).append(bytes(chunk.timings))
+    return (first, second) if len(_KEYS[strip]) == 2 else (first,)
 
 
-def _cut(text: bytes, key: bytes, values: Iterator[bytes]) -> bytes:
+def _cut(text: bytes, key: bytes, values: list[bytes]) -> bytes:
     """`text` without each `key` and its value (the next of `values`, as written) and one
     comma beside them, in one pass: a block read at full speed holds hundreds of chunks,
     and cutting each out of the whole text again made the block's cost grow with its
-    square."""
+    square. (Each step looks at the compact spelling first: servers write no spaces.)"""
     kept: list[bytes] = []
     done = 0  # text[:done] is settled: in `kept`, or cut
-    while (at := text.find(key, done)) >= 0:
-        value = at + len(key)
-        while text[value] in _SPACE:
-            value += 1
-        written = next(values)
-        end = value + len(written)
-        if written != text[value:end]:
+    for written in values:
+        if (at := text.find(key, done)) < 0:
             raise ValueError(f"{key!r} is not where its chunk has it")
-        after = end
-        while after < len(text) and text[after] in _SPACE:
-            after += 1
-        if text[after : after + 1] == b",":  # a member follows: its comma goes
-            after += 1
-            while after < len(text) and text[after] in _SPACE:
-                after += 1
+        value = at + len(key)
+        if text[value] in _SPACE:
+            value = _skip_space(text, value)
+        if not text.startswith(written, value):
+            raise ValueError(f"{key!r} is not where its chunk has it")
+        end = value + len(written)
+        after = end if text[end : end + 1] not in _SPACES else _skip_space(text, end)
+        before = at if text[at - 1] not in _SPACE else _skip_space_back(text, at, done)
+        if text.startswith(b",", after):  # a member follows: its comma goes
             kept.append(text[done:at])
-            done = after
-            continue
-        before = at
-        while before > done and text[before - 1] in _SPACE:
-            before -= 1
-        if before > done and text[before - 1 : before] == b",":  # the last member
+            done = _skip_space(text, after + 1)
+        elif before > done and text[before - 1] == 44:  # after a comma: the last member
             kept.append(text[done : before - 1])
-        elif (
-            before > done and text[before - 1 : before] == b"{" and text[after : after + 1] == b"}"
-        ):
-            kept.append(text[done:at])  # the only member
+            done = end
+        elif before > done and text[before - 1] == 123 and text.startswith(b"}", after):
+            kept.append(text[done:at])  # after "{", before "}": the only member
+            done = end
         else:
             raise ValueError(f"{key!r} is not a member of an object here")
-        done = end
-    if next(values, None) is not None:
+    if text.find(key, done) >= 0:
         raise ValueError(f"{key!r} is written where its chunk does not have it")
     kept.append(text[done:])
     return b"".join(kept)
 
 
-def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | None]:
+def _skip_space(text: bytes, at: int) -> int:
+    while at < len(text) and text[at] in _SPACE:
+        at += 1
+    return at
+
+
+def _skip_space_back(text: bytes, at: int, done: int) -> int:
+    while at > done and text[at - 1] in _SPACE:
+        at -= 1
+    return at
+
+
+def _text_of(choice: dict[str, Any]) -> str:
+    """A parsed choice's reasoning and text, in that order."""
     delta = choice.get("delta") or {}
     fields = thought_fields(delta)
     thought = delta[fields[0]] if fields else ""
-    text = thought + (delta.get("content") or choice.get("text") or "")
+    return thought + (delta.get("content") or choice.get("text") or "")
+
+
+def _id_pieces(token_ids: list[Any], text: str) -> list[Piece | None]:
+    """vLLM's ids: the chunk's text given to its first."""
     pieces: list[Piece | None] = []
     for index, token in enumerate(token_ids):
         data = text.encode() if index == 0 else b""
@@ -165,10 +228,34 @@ def _id_pieces(choice: dict[str, Any], token_ids: list[Any]) -> list[Piece | Non
     return pieces
 
 
-def _piece(entry: Any) -> Piece | None:
-    if not isinstance(entry, dict) or not isinstance(token := entry.get("id"), int):
+def _logprob_pieces(logprobs: Any) -> list[Piece | None] | None:
+    """llama-server's: each logprobs entry's id and bytes (None: no entries)."""
+    if isinstance(logprobs, dict) and isinstance(content := logprobs.get("content"), list):
+        return [
+            _piece(entry.get("id"), entry.get("bytes")) if isinstance(entry, dict) else None
+            for entry in content
+        ]
+    return None
+
+
+def _read_logprob_pieces(logprobs: msgspec.Raw) -> list[Piece | None] | None:
+    """`_logprob_pieces` from their bytes, reading only each entry's id and bytes (its
+    token, probability and alternatives skipped unparsed)."""
+    if not logprobs:
         return None
     try:
-        return token, bytes(entry["bytes"])
-    except (KeyError, TypeError, ValueError):
+        content = _LOGPROBS(logprobs).content
+    except msgspec.ValidationError:  # not the usual shape: read whole
+        return _logprob_pieces(_LOADS(logprobs))
+    if not isinstance(content, list):
+        return None
+    return [_piece(entry.id, entry.bytes) for entry in content]
+
+
+def _piece(token: Any, data: Any) -> Piece | None:
+    if not isinstance(token, int) or not isinstance(data, list):
+        return None
+    try:
+        return token, bytes(data)
+    except (TypeError, ValueError):  # not byte values
         return None

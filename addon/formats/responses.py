@@ -73,7 +73,7 @@ class ResponsesReader(TypedEventReader):
             and block.count(b'"type":"response.output_text.delta"') == block.count(SEP)
             and b'"error"' not in block
         )
-        return block if plain else None
+        return self.unread(block) if plain else None
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         kind = payload.get("type")

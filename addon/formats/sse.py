@@ -1,9 +1,9 @@
 """Server-sent-event framing for OpenAI-style streams.
 
-The first leg's events are forwarded untouched, so its hot path looks at whole blocks
-of bytes (formats/chatblock.py); JSON is parsed for the rare events that need it
-(errors, finish, anything unusual), for the legs whose chunks are rewritten, and lazily
-at a handoff.
+The first leg's events are forwarded untouched, so its hot path reads whole blocks
+of bytes in one typed decode (formats/chatblock.py); JSON is parsed whole for the rare
+events that need it (errors, finish, anything unusual) and for the legs whose chunks
+are rewritten.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import msgspec
-
 from addon.formats.shape import loads
 
-_DECODE = msgspec.json.Decoder().decode
 DONE = b"data: [DONE]"
 TERMINATOR = b"\n\n"
 
@@ -105,17 +102,6 @@ def as_array(block: bytes) -> bytes:
     if not block.startswith(b"data: ") or not block.endswith(b"\n\n"):
         raise ValueError("not data lines")
     return b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]"
-
-
-def objects(block: bytes) -> list[dict[str, Any]] | None:
-    """The JSON objects of a block of one-line `data: ` events, read in one decode; None
-    where the block is anything else or msgspec refuses it (`parse`, event by event, then
-    has the last word, as it has on what msgspec refuses)."""
-    try:
-        payloads = _DECODE(as_array(block))
-    except (ValueError, msgspec.MsgspecError, RecursionError):
-        return None
-    return payloads if all(isinstance(p, dict) for p in payloads) else None
 
 
 def is_done(event: bytes) -> bool:

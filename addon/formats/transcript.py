@@ -9,9 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec import UNSET
+
+from addon.formats.chatblock import NO_DELTA, Chunk
 from addon.formats.pieces import (
     REASONING_FIELDS,
     Piece,
+    read_count,
+    read_pieces,
     server_count,
     take_pieces,
     thought_fields,
@@ -200,21 +205,50 @@ class Transcript:
         """Account for a chat chunk that has been written to the client; `pieces` are the
         ids behind it (taken from its logprobs when not given), `made` the server's count
         of the tokens its leg has generated (read from the chunk when not given)."""
-        if self.id is None:
-            self.id = chunk.get("id")
-            self.created = chunk.get("created")
-        leg = self.legs[-1]
-        leg.model = chunk.get("model", leg.model)
+        self._heading(chunk.get("id"), chunk.get("created"), chunk.get("model", UNSET))
         counted = self.produced
-        for choice in chunk.get("choices") or ():
+        choices = chunk.get("choices") or ()
+        for choice in choices:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 self.role_sent = True
             self.add(delta.get("content") or choice.get("text"), self._thought(delta))
             if delta.get("tool_calls"):
                 self.other_parts.add("tool_calls")
-        pieces = self._record_ids(chunk, pieces, self.produced - counted)
+        if pieces is None:
+            pieces = take_pieces(chunk)
+        spoke = pieces is None and any(_said(choice) for choice in choices)
+        self._record_ids(pieces, spoke, self.produced - counted)
         self._recount(pieces, server_count(chunk) if made is None else made)
+
+    def record_read(self, chunk: Chunk) -> None:
+        """`record` for an ordinary token chunk as chatblock read it (no tool call, no
+        finish: formats/chatblock.py), with no second decode of its bytes."""
+        self._heading(chunk.id, chunk.created, chunk.model)
+        counted = self.produced
+        spoke = False
+        for choice in chunk.choices:
+            delta = choice.delta or NO_DELTA
+            if delta.role:
+                self.role_sent = True
+            thought = delta.reasoning_content or delta.reasoning
+            if thought:
+                self.reasoning_fields = self.reasoning_fields or tuple(
+                    name for name in REASONING_FIELDS if getattr(delta, name)
+                )
+            self.add(delta.content or choice.text, thought)
+            spoke = spoke or bool(delta.content or thought)
+        pieces = read_pieces(chunk)
+        self._record_ids(pieces, spoke and pieces is None, self.produced - counted)
+        self._recount(pieces, read_count(chunk))
+
+    def _heading(self, answer_id: Any, created: Any, model: Any) -> None:
+        """What every chunk repeats: the answer's id and time, the leg's model (UNSET:
+        not written)."""
+        if self.id is None:
+            self.id, self.created = answer_id, created
+        if model is not UNSET:
+            self.legs[-1].model = model
 
     def _thought(self, delta: dict[str, Any]) -> str | None:
         """The delta's reasoning, in whichever fields its server writes it (once)."""
@@ -224,19 +258,14 @@ class Transcript:
         self.reasoning_fields = self.reasoning_fields or fields
         return delta[fields[0]] if fields else None
 
-    def _record_ids(
-        self, chunk: dict[str, Any], pieces: list[Piece] | None, counted: int
-    ) -> list[Piece] | None:
-        """Take the chunk's ids (and say which); `counted` tokens were counted from its
-        deltas."""
+    def _record_ids(self, pieces: list[Piece] | None, spoke: bool, counted: int) -> None:
+        """Take the chunk's ids, `pieces`; `spoke`: it has text but no ids; `counted`
+        tokens were counted from its deltas."""
         if pieces is None:
-            pieces = take_pieces(chunk)
-        if pieces is None:
-            if any(_said(c) for c in chunk.get("choices") or ()):
+            if spoke:
                 self.raw_whole = False
-                if self.ids is not None:
-                    self.ids = None  # text without ids: it can only be replayed as text
-            return None
+                self.ids = None  # text without ids: it can only be replayed as text
+            return
         said = b"".join(data for _, data in pieces)
         self.raw += said
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
@@ -247,12 +276,11 @@ class Transcript:
             self.produced += more
             self.legs[-1].completion_tokens += more
         if self.ids is None:
-            return pieces
+            return
         self.ids.extend(token for token, _ in pieces)
         self.id_bytes += said
         if pieces:
             self.ids_ahead = not said
-        return pieces
 
     def _recount(self, pieces: list[Piece] | None, made: int | None) -> None:
         """Correct the leg's count to the server's own, `made` (None: it gave none).

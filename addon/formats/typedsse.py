@@ -52,5 +52,10 @@ class TypedEventReader:
             return self.sort(payload, event + SEP)
         return [e for new in self.rewriter.rewrite(payload) for e in self.sort(new, encode(new))]
 
+    def unread(self, block: bytes) -> bytes:
+        """The block goes out unread; the transcript reads it when it must (record_raw)."""
+        self.transcript.record_raw(block, self.read_block)
+        return block
+
     def read_block(self, block: bytes) -> None:
         read_payloads(sse.events(block), sse.parse, self.record)
