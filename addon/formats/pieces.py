@@ -47,7 +47,8 @@ _TIMINGS = msgspec.json.Decoder(_Timings).decode
 def server_count(chunk: dict[str, Any]) -> int | None:
     """The tokens the server says its leg has generated, where the chunk says
     (llama-server's `timings.predicted_n`)."""
-    return _count_in(chunk.get("timings"))
+    timings = chunk.get("timings")
+    return _count(timings.get("predicted_n") if isinstance(timings, dict) else None)
 
 
 def read_count(chunk: Chunk) -> int | None:
@@ -55,13 +56,12 @@ def read_count(chunk: Chunk) -> int | None:
     if not chunk.timings:
         return None
     try:
-        return _count_in({"predicted_n": _TIMINGS(chunk.timings).predicted_n})
+        return _count(_TIMINGS(chunk.timings).predicted_n)
     except msgspec.ValidationError:
         return None  # not an object: no count
 
 
-def _count_in(timings: Any) -> int | None:
-    made = timings.get("predicted_n") if isinstance(timings, dict) else None
+def _count(made: Any) -> int | None:
     return made if isinstance(made, int) and not isinstance(made, bool) else None
 
 
