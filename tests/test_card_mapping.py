@@ -279,6 +279,19 @@ def test_nobody_listening_unseen_and_forwarded_ports(roots: tuple[Path, Path]) -
     assert cards.mapping_of(URL).how == gates.IN_RAM  # the same tree's plain server
 
 
+def test_a_url_without_a_port_is_looked_for_on_its_schemes_own(roots: tuple[Path, Path]) -> None:
+    """https://localhost is port 443, http://localhost port 80: the card map and the
+    processes the watcher leaves out of the rest both look there."""
+    proc, sysfs = roots
+    server(proc, 443, 4242).open("/dev/null")
+    server(proc, 80, 5000, comm="vllm")
+    cards = card_map(proc, sysfs, {})
+    assert cards.mapping_of("https://localhost").pids == (4242,)
+    assert cards.mapping_of("http://localhost").pids == (5000,)
+    assert cards.server_pids(["https://127.0.0.1"]) == {4242}
+    assert cards.server_pids(["http://127.0.0.1/v1"]) == {5000}
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads a mode-000 directory anyway")
 def test_unreadable_descriptors_say_permission_in_a_tree(roots: tuple[Path, Path]) -> None:
     proc, sysfs = roots
