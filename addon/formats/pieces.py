@@ -27,16 +27,16 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 _LOADS = msgspec.json.Decoder().decode
 
 
-class _Entry(msgspec.Struct):
+class _Entry(msgspec.Struct, gc=False):  # (gc=False: see chatblock.py)
     id: Any = None
     bytes: Any = None
 
 
-class _Logprobs(msgspec.Struct):
+class _Logprobs(msgspec.Struct, gc=False):
     content: list[_Entry] | None = None
 
 
-class _Timings(msgspec.Struct):
+class _Timings(msgspec.Struct, gc=False):
     predicted_n: Any = None
 
 
