@@ -87,11 +87,12 @@ class Transcript:
         return "".join(self.reasoning)
 
     def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
-        """Account for a block of events forwarded unread; `settle()` has `read` read it,
-        or it is read as the oldest once more than UNREAD_BYTES wait. Only what the
-        transcript is asked for needs them read (a handoff, the status), but an answer's
-        chunks kept whole (with their token pieces, hundreds of bytes a token) were most
-        of what an open stream held. Past that bound one block is read for each that
+        """Account for a block of events forwarded unread (the wire formats' but chat's,
+        whose blocks are read at once from the decode that found them plain:
+        `record_read`); `settle()` has `read` read it, or it is read as the oldest once
+        more than UNREAD_BYTES wait. Only what the transcript is asked for needs them
+        read (a handoff, the status), but an answer's events kept whole would be most of
+        what an open stream holds. Past that bound one block is read for each that
         comes: answers that stream in step (a batch's) never all read 64 KiB at once."""
         self._wait(block, read, len(block))
 
