@@ -27,6 +27,12 @@ class Delta(msgspec.Struct, gc=False):
     reasoning: str | None = None  # vLLM's
     tool_calls: msgspec.Raw = msgspec.Raw()
 
+    @property
+    def thought(self) -> str | None:
+        """Its reasoning, in whichever field its server writes it (a build that writes
+        both writes the same text in each)."""
+        return self.reasoning_content or self.reasoning
+
 
 NO_DELTA = Delta()
 

@@ -4,6 +4,7 @@ out of a block's bytes before the client sees them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -102,8 +103,8 @@ def read_pieces(chunk: Chunk) -> list[Piece] | None:
         token_ids = _LOADS(choice.token_ids) if choice.token_ids else None
         if isinstance(token_ids, list):
             delta = choice.delta or NO_DELTA
-            thought = delta.reasoning_content or delta.reasoning or ""
-            found = _id_pieces(token_ids, thought + (delta.content or choice.text or ""))
+            text = (delta.thought or "") + (delta.content or choice.text or "")
+            found = _id_pieces(token_ids, text)
         elif (found := _read_logprob_pieces(choice.logprobs)) is None:
             continue
         pieces = [*(pieces or []), *found]
@@ -117,12 +118,18 @@ def _known(pieces: list[Piece | None] | None) -> list[Piece] | None:
 
 
 _SPACE = b" \t\r\n"
-_SPACES = (b" ", b"\t", b"\r", b"\n")
 _KEYS = {
     TOKEN_IDS: (b'"token_ids":', b'"prompt_token_ids":'),
     LOGPROBS: (b'"logprobs":',),
     LOGPROBS_COUNTED: (b'"logprobs":', b'"timings":'),
     TIMINGS: (b'"timings":',),
+}
+# Where each key's values lie in a chunk as chatblock read it.
+_WHERE: dict[bytes, Callable[[Chunk], list[msgspec.Raw]]] = {
+    b'"token_ids":': lambda chunk: [choice.token_ids for choice in chunk.choices],
+    b'"prompt_token_ids":': lambda chunk: [chunk.prompt_token_ids],
+    b'"logprobs":': lambda chunk: [choice.logprobs for choice in chunk.choices],
+    b'"timings":': lambda chunk: [chunk.timings],
 }
 # Each key as a bare name (as in '"logprobs" :'), to see that none is left once cut.
 _NAMES = {strip: tuple(key[:-1] for key in keys) for strip, keys in _KEYS.items()}
@@ -136,8 +143,8 @@ def without_pieces(block: bytes, strip: str, chunks: list[Chunk] | None = None) 
     if chunks is None and (chunks := chunks_of(block)) is None:
         return None
     try:
-        for key, values in zip(_KEYS[strip], _values(chunks, strip), strict=True):
-            block = _cut(block, key, values)
+        for key in _KEYS[strip]:
+            block = _cut(block, key, _values(chunks, key))
     except ValueError:
         return None
     for name in _NAMES[strip]:
@@ -146,22 +153,11 @@ def without_pieces(block: bytes, strip: str, chunks: list[Chunk] | None = None) 
     return block
 
 
-def _values(chunks: list[Chunk], strip: str) -> tuple[list[bytes], ...]:
-    """The values of the keys `strip` names in the block's chunks, key by key, as written
-    and in the order written (read only as far as to know where they lie)."""
-    first: list[bytes] = []
-    second: list[bytes] = []
-    for chunk in chunks:
-        if strip == TOKEN_IDS:
-            first += [bytes(c.token_ids) for c in chunk.choices if c.token_ids]
-            if chunk.prompt_token_ids:
-                second.append(bytes(chunk.prompt_token_ids))
-            continue
-        if strip != TIMINGS:
-            first += [bytes(c.logprobs) for c in chunk.choices if c.logprobs]
-        if strip != LOGPROBS and chunk.timings:
-            (second if strip == LOGPROBS_COUNTED else first).append(bytes(chunk.timings))
-    return (first, second) if len(_KEYS[strip]) == 2 else (first,)
+def _values(chunks: list[Chunk], key: bytes) -> list[bytes]:
+    """The values of `key` in the block's chunks, as written and in the order written
+    (read only as far as to know where they lie)."""
+    where = _WHERE[key]
+    return [bytes(value) for chunk in chunks for value in where(chunk) if value]
 
 
 def _cut(text: bytes, key: bytes, values: list[bytes]) -> bytes:
@@ -180,7 +176,7 @@ def _cut(text: bytes, key: bytes, values: list[bytes]) -> bytes:
         if not text.startswith(written, value):
             raise ValueError(f"{key!r} is not where its chunk has it")
         end = value + len(written)
-        after = end if text[end : end + 1] not in _SPACES else _skip_space(text, end)
+        after = _skip_space(text, end) if end < len(text) and text[end] in _SPACE else end
         before = at if text[at - 1] not in _SPACE else _skip_space_back(text, at, done)
         if text.startswith(b",", after):  # a member follows: its comma goes
             kept.append(text[done:at])

@@ -232,8 +232,7 @@ class Transcript:
             delta = choice.delta or NO_DELTA
             if delta.role:
                 self.role_sent = True
-            thought = delta.reasoning_content or delta.reasoning
-            if thought:
+            if thought := delta.thought:
                 self.reasoning_fields = self.reasoning_fields or tuple(
                     name for name in REASONING_FIELDS if getattr(delta, name)
                 )
