@@ -36,6 +36,12 @@ class Tap:
             self._seen.clear()
             self._armed = (when, act, dies)
 
+    @property
+    def seen(self) -> bytes:
+        """What the server has sent since the tap was armed, while it is."""
+        with self._lock:
+            return bytes(self._seen)
+
     def serve(self) -> None:
         while True:
             try:

@@ -68,6 +68,7 @@ from tests.streams import (
     direct_text,
     read_stream,
 )
+from tests.tap import tapped
 from tests.test_leg_fields import spelled_then_plain
 from tests.test_prefill import built_continuation
 from tests.test_routing import live_on
@@ -137,11 +138,11 @@ def test_vllm_is_known_and_continues_by_continue_final_message(
 
 
 def test_a_vllm_stream_reads_through_the_proxy_as_vllm_wrote_it(start_proxy, vllm) -> None:
-    """With no handoff, vLLM's stream through the proxy: its head line by line as uvicorn
-    writes it (lowercase names, its framing where it puts it), and its events, but for
-    what differs between two answers of vLLM itself (ids, stamps, the date)."""
-    proxy = start_proxy(vllm.url, [])
-    proxy.servers_known()
+    """With no handoff, the client reads the stream vLLM wrote for its request: its head
+    line by line as uvicorn writes it (lowercase names, its framing where it puts it) and
+    its events, one by one. What vLLM sent is caught on its way to the proxy by a TCP relay
+    (tests/tap.py), so that vLLM's own chunking, which merges tokens when its API server
+    falls behind, is compared with itself; no health check crosses the relay meanwhile."""
     body = json.dumps(
         {"model": SERVED_NAME, "messages": PROMPT, "max_tokens": 12, "temperature": 0,
          "stream": True}
@@ -150,19 +151,25 @@ def test_a_vllm_stream_reads_through_the_proxy_as_vllm_wrote_it(start_proxy, vll
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-    heads, streams = [], []
-    for port in (vllm.port, proxy.port):
-        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+    with tapped(vllm.port) as tap:
+        proxy = start_proxy(tap.url, [], options=["spillover_health_s=0"])
+        proxy.servers_known()
+        tap.arm(lambda seen: False, lambda: None)  # keeps what vLLM sends from here
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=120) as sock:
             sock.sendall(request)
             answer = b""
             while not answer.endswith(b"\r\n0\r\n\r\n") and (data := sock.recv(65536)):
                 answer += data
-        head, _, rest = answer.partition(b"\r\n\r\n")
-        heads.append([line for line in head.split(b"\r\n") if not line.startswith(b"date:")])
-        streams.append([_steady(event) for event in _events(rest)])
+        sent = tap.seen
+    assert sent.count(b"HTTP/1.1 ") == 1, sent[:300]  # the answer, and nothing else
+    heads, streams = [], []
+    for response in (sent, answer):
+        head, _, rest = response.partition(b"\r\n\r\n")
+        heads.append(head.split(b"\r\n"))
+        streams.append(_events(rest))
     assert b"transfer-encoding: chunked" in heads[0], heads[0]
     assert heads[1] == heads[0]
-    assert streams[1] == streams[0] and streams[0][-1] == "[DONE]"
+    assert streams[1] == streams[0] and streams[0][-1] == b"[DONE]"
 
 
 def _events(chunked: bytes) -> list[bytes]:
@@ -171,12 +178,6 @@ def _events(chunked: bytes) -> list[bytes]:
     data = body.feed(chunked)
     assert body.complete
     return [e[6:] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
-
-
-def _steady(event: bytes) -> object:
-    if event == b"[DONE]":
-        return "[DONE]"
-    return {k: v for k, v in json.loads(event).items() if k not in ("id", "created")}
 
 
 def test_a_killed_llama_server_is_continued_by_vllm(
