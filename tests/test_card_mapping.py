@@ -10,6 +10,7 @@ import select
 import signal
 import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,33 @@ def test_fdinfo_pids_win_through_the_real_sources(roots: tuple[Path, Path]) -> N
     cards = CardMap({}, lambda: gpu_pids([source]), proc, sysfs=sysfs)
     mapping = cards.mapping_of(URL)
     assert mapping.cards == {"drm:card0"} and mapping.how == gates.DRM_FDINFO
+
+
+def test_a_mapping_made_before_fdinfo_has_read_is_looked_up_again_soon(
+    roots: tuple[Path, Path],
+) -> None:
+    """The proxy may be asked for a server's cards before the monitor's first sample: the
+    mapping made then cannot know whose memory fdinfo counts, and is looked up again a
+    second later, not REFRESH_SECONDS later."""
+    proc, sysfs = roots
+    card = FakeCard(sysfs, "card0", total_mib=8192, used_mib=0, pdev="0000:03:00.0")
+    drm_node(sysfs, "renderD128", card.device)
+    fd = server(proc).open("/dev/dri/renderD128")
+    (proc / "4242" / "fdinfo").mkdir()
+    (proc / "4242" / "fdinfo" / fd.name).write_text(
+        "pos:\t0\ndrm-driver:\tamdgpu\ndrm-pdev:\t0000:03:00.0\ndrm-client-id:\t7\n"
+        "drm-resident-vram:\t2097152 KiB\n"
+    )
+    source = FdinfoSource(proc, sysfs)
+    cards = CardMap({}, lambda: gpu_pids([source]), proc, sysfs=sysfs)
+    early = cards.mapping_of(URL)
+    assert not early.settled and early.how != gates.DRM_FDINFO
+    source.read()
+    deadline = time.monotonic() + gates.SOON_SECONDS + 2
+    while (mapping := cards.mapping_of(URL)).how != gates.DRM_FDINFO:
+        assert time.monotonic() < deadline, mapping
+        time.sleep(0.05)
+    assert mapping.cards == {"drm:card0"} and mapping.settled
 
 
 def test_one_model_over_two_cards_is_found_on_both(roots: tuple[Path, Path]) -> None:

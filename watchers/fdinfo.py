@@ -66,6 +66,8 @@ class FdinfoSource:
         self._intel: dict[str, tuple[str, Path, str, CardMemory]] = {}
         self.pids: dict[str, set[int]] = {}  # card -> pids holding it, from the last read
         self.measured: dict[str, str] = {}  # card -> how its used figure was measured
+        # Read at least once, whatever came of it: until then `pids` knows no one.
+        self.tried = False
 
     def rescan(self) -> None:
         files = []
@@ -105,6 +107,12 @@ class FdinfoSource:
         }
 
     def read(self) -> list[Reading | CardFailure]:
+        try:
+            return self._read()
+        finally:
+            self.tried = True
+
+    def _read(self) -> list[Reading | CardFailure]:
         if time.monotonic() - self._scanned_at > RESCAN_SECONDS:
             self.rescan()
         used: dict[str, dict[str, int]] = {}
@@ -127,7 +135,9 @@ class FdinfoSource:
             pids.setdefault(pdev, set()).add(pid)
         cards = self._cards_by_pdev()
         readings: list[Reading | CardFailure] = []
-        self.pids, self.measured = {}, {}
+        # Filled here and given whole: the card map reads them from another thread.
+        by_card: dict[str, set[int]] = {}
+        measured: dict[str, str] = {}
         for pdev in [*used, *(pdev for pdev in self._intel if pdev not in used)]:
             clients = used.get(pdev, {})
             if pdev in self._intel:
@@ -146,7 +156,8 @@ class FdinfoSource:
                 reading, held=tuple((pid, b / MIB) for pid, b in sorted(clients_of.items()))
             )
             readings.append(reading)
-            self.measured[reading.card] = how
+            measured[reading.card] = how
             if pdev in pids:
-                self.pids[reading.card] = pids[pdev]
+                by_card[reading.card] = pids[pdev]
+        self.pids, self.measured = by_card, measured
         return readings

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
@@ -24,6 +24,7 @@ from watchers.listeners import listening_pids as listening_pids  # for older imp
 from watchers.meminfo import CARD as RAM
 
 REFRESH_SECONDS = 10.0
+SOON_SECONDS = 1.0  # an unsettled mapping's next look
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +77,9 @@ class Mapping:
     how: str  # one of the names above
     detail: str = ""  # for people: which processes, which device files, what to do
     pids: tuple[int, ...] = ()  # the server's processes (or those we could not read)
+    # False when made before every source that lists GPU processes had read: it may name
+    # the server's cards once they have, and is looked up again soon (SOON_SECONDS).
+    settled: bool = True
 
     def __str__(self) -> str:
         return f"{self.how}: {self.detail}" if self.detail else self.how
@@ -95,6 +99,7 @@ class PidCards(dict[int, set[str]]):
     def __init__(self) -> None:
         super().__init__()
         self.how: dict[int, set[str]] = {}
+        self.complete = True  # False while a source that lists pids has not read yet
 
     def add(self, pid: int, cards: Iterable[str], how: str) -> None:
         self.setdefault(pid, set()).update(cards)
@@ -142,7 +147,11 @@ class CardMap:
 
     def _rediscover(self, server: str) -> Mapping:
         mapping = self._discover(server)
-        self._cache[server] = (time.monotonic(), mapping)
+        made = time.monotonic()
+        self._cache[server] = (
+            made if mapping.settled else made - REFRESH_SECONDS + SOON_SECONDS,
+            mapping,
+        )
         return mapping
 
     def _rediscover_later(self, server: str) -> None:
@@ -218,7 +227,8 @@ class CardMap:
                 f"followed from here; {SAY_IT}",
                 pids,
             )  # fmt: skip
-        return self._by_devices(pids, who)
+        mapping = self._by_devices(pids, who)
+        return mapping if getattr(held, "complete", True) else replace(mapping, settled=False)
 
     def _by_devices(self, pids: tuple[int, ...], who: str) -> Mapping:
         cards: set[str] = set()

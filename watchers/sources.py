@@ -46,6 +46,8 @@ def gpu_pids(sources: Iterable[Source]) -> PidCards:
     """pid -> GPU cards it holds memory on, from every source that can tell (and which)."""
     held = PidCards()
     for source in sources:
+        if isinstance(source, FdinfoSource) and not source.tried:
+            held.complete = False
         if isinstance(source, NvmlSource):
             for pid, cards in source.processes().items():
                 held.add(pid, cards, NVML_PROCESSES)
