@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from addon.formats import sse
+from addon.formats.blocks import ordinary_chunks
 from addon.formats.chat import ChatReader
-from addon.formats.chatblock import ordinary_chunks
 from addon.formats.continuation import ChunkRewriter, cannot_continue, continuation_body, prefill_of
 from addon.formats.pieces import (
     LOGPROBS,

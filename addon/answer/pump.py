@@ -167,8 +167,6 @@ class Pump:
         if not self._held and (unread := reader.plain(block)) is not None:
             self.client.write(unread)  # the hot path: ordinary tokens, forwarded unread
             return False
-        if reader.reads_transcript:
-            self.transcript.settle()
         out: list[bytes] = []
         for event in reader.events(block):
             taken = reader.take(event)

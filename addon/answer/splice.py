@@ -111,7 +111,6 @@ class Splice:
             return False
         if not self.dialect.continues_a_turn(self.body):
             return True
-        self.transcript.settle()
         delivered = self.transcript.content or self.transcript.reasoning
         return not delivered or fleet.continues(server, self.dialect.name, self._spaced)
 
@@ -143,7 +142,6 @@ class Splice:
         else a future that says whether it moved, cut at once where nothing is asked."""
         if not self.can_cut or self._moving or self._decision.quiet(kind):
             return None
-        self.transcript.settle()
         if self._spent() is not None:
             return None
         decided = time.monotonic()
@@ -293,7 +291,6 @@ class Splice:
                 await asyncio.sleep(wait)
                 self._rungs.failed.discard(self._rungs.at)
                 continue
-            self.transcript.settle()
             why = self._spent() or self.dialect.cannot_continue(self.body, self.transcript)
             if why is not None:
                 self._give_up(client, f"{failure}; {why}")
@@ -344,7 +341,6 @@ class Splice:
 
     def _may_move(self) -> bool:
         """Whether another server could go on with the answer if this leg failed now."""
-        self.transcript.settle()
         if self.dialect.cannot_continue(self.body, self.transcript) is not None:
             return False
         return self._rungs.would_go() is not None

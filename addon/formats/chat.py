@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from addon.formats import sse
-from addon.formats.chatblock import ordinary_chunks
+from addon.formats.blocks import ordinary_chunks
 from addon.formats.continuation import (
     ChunkRewriter,
     cannot_continue,
@@ -69,7 +69,6 @@ class ChatReader:
         self._finished = False
 
     boundary = SEP
-    reads_transcript = False
     splitter = sse.EventSplitter
     events = staticmethod(sse.events)
 
@@ -138,7 +137,7 @@ class ChatReader:
         return [*taken, Event(Step.SEND, event + SEP, (chunk, pieces, made))]
 
     def record(self, payload: tuple[dict[str, Any], Any]) -> None:
-        self.transcript.record_in_turn(payload)  # after the blocks before it
+        self.transcript.record(*payload)
 
     def close(self) -> bytes | None:
         # The server finished its answer and died before [DONE]: the answer is whole.

@@ -55,10 +55,6 @@ class LegReader(Protocol):
     """One leg's events, as the pump takes them."""
 
     boundary: bytes  # what ends an event (counted for the leg's pace)
-    # Whether `take` reads what the transcript holds (every block that went out unread is
-    # read first); where it does not, `record` reads them first, and an answer whose last
-    # events are not recorded (a chat's finish and [DONE]) never has them read.
-    reads_transcript: bool
 
     def splitter(self) -> Splitter: ...
 
@@ -66,7 +62,7 @@ class LegReader(Protocol):
 
     def plain(self, block: bytes) -> bytes | None:
         """What of the whole block goes out unread (the hot path), the block accounted for
-        in the transcript (read now, or kept to be read later: Transcript.record_raw), or
+        in the transcript from the one decode that found it plain (formats/blocks.py), or
         None when it is taken event by event."""
         ...
 
@@ -246,16 +242,6 @@ def unknown_echo(transcript: Transcript) -> str | None:
         f"whether {server} sent the client's assistant prefill back at the start of its "
         "answer is not known, so what the model wrote after it is not known"
     )
-
-
-def read_payloads(
-    events: list[bytes], parse: Callable[[bytes], Any], record: Callable[[Any], None]
-) -> None:
-    """Record the JSON objects among events that went out unread (what cannot be parsed
-    was delivered as the server sent it, with nothing to account for)."""
-    for event in events:
-        if not isinstance(payload := json_object(event, parse), str):
-            record(payload)
 
 
 def json_object(event: bytes, parse: Callable[[bytes], Any]) -> dict[str, Any] | str:

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from addon.formats import sse
+from addon.formats.blocks import messages_deltas
 from addon.formats.continuation import bound_by, token_limit
 from addon.formats.dialect import (
     EchoStrip,
@@ -48,16 +49,15 @@ class MessagesReader(TypedEventReader):
         self._finished = False
 
     def plain(self, block: bytes) -> bytes | None:
-        """Only text and thinking deltas, which nothing but the transcript needs to read."""
-        n = block.count(SEP)
-        plain = (
-            self.rewriter is None
-            and not self._tools.open
-            and block.count(b'"type":"content_block_delta"') == n
-            and block.count(b'"type":"text_delta"') + block.count(b'"type":"thinking_delta"') == n
-            and b'"error"' not in block
-        )
-        return self.unread(block) if plain else None
+        """Only text and thinking deltas, which nothing but the transcript needs to read
+        (read from the decode that found them so)."""
+        if self.rewriter is not None or self._tools.open:
+            return None
+        if (deltas := messages_deltas(block)) is None:
+            return None
+        for delta in deltas:
+            self.transcript.add(delta.text, delta.thinking)
+        return block
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         if payload.get("type") == "error" or ("error" in payload and "type" not in payload):

@@ -18,6 +18,9 @@ import copy
 import json
 from typing import Any
 
+from msgspec import UNSET
+
+from addon.formats.blocks import ollama_pieces
 from addon.formats.continuation import bound_by
 from addon.formats.dialect import (
     EchoStrip,
@@ -28,7 +31,6 @@ from addon.formats.dialect import (
     has_messages,
     json_object,
     prefilled,
-    read_payloads,
     unknown_echo,
 )
 from addon.formats.shape import loads, mapping, positive_int, text_of
@@ -65,7 +67,6 @@ def encode(payload: dict[str, Any]) -> bytes:
 
 class OllamaReader:
     boundary = NL
-    reads_transcript = True
     splitter = LineSplitter
 
     def __init__(self, transcript: Transcript, rewriter: Rewriter | None, server: str) -> None:
@@ -78,16 +79,17 @@ class OllamaReader:
         return [line for line in block.split(NL) if line.strip()]
 
     def plain(self, block: bytes) -> bytes | None:
-        """Only pieces of the answer: lines that are not the last, no error, no tool call."""
-        plain = (
-            self.rewriter is None
-            and block.count(b'"done":false') == block.count(NL)
-            and b'"error"' not in block
-            and b'"tool_calls"' not in block
-        )
-        if not plain:
+        """Only pieces of the answer: lines that are not the last, no error, no tool call
+        (read from the decode that found them so)."""
+        if self.rewriter is not None or (lines := ollama_pieces(block)) is None:
             return None
-        self.transcript.record_raw(block, self.read_block)  # read when it must be
+        transcript = self.transcript
+        for line in lines:
+            transcript.legs[-1].model = line.model
+            if line.message is UNSET:  # a generate line
+                transcript.add(line.response, line.thinking)
+            elif line.message is not None:
+                transcript.add(line.message.content, line.message.thinking)
         return block
 
     def take(self, event: bytes) -> list[Event] | str:
@@ -115,9 +117,6 @@ class OllamaReader:
         self.transcript.add(message.get("content"), message.get("thinking"))
         if message.get("tool_calls"):
             self.transcript.other_parts.add("tool calls")
-
-    def read_block(self, block: bytes) -> None:
-        read_payloads(self.events(block), loads, self.record)
 
     def close(self) -> bytes | None:
         return None  # the last line is the answer's end: a stream without it is cut

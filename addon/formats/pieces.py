@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import msgspec
 
-from addon.formats.chatblock import NO_DELTA, Chunk, chunks_of
+from addon.formats.blocks import NO_DELTA, Chunk, chunks_of
 
 Piece = tuple[int, bytes]  # a token id and the bytes of its text
 # Which pieces the addon asked for itself, in the first server's engine's terms, and so
@@ -28,7 +28,7 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 _LOADS = msgspec.json.Decoder().decode
 
 
-class _Entry(msgspec.Struct, gc=False):  # (gc=False: see chatblock.py)
+class _Entry(msgspec.Struct, gc=False):  # (gc=False: see blocks.py)
     id: Any = None
     bytes: Any = None
 
@@ -53,7 +53,7 @@ def server_count(chunk: dict[str, Any]) -> int | None:
 
 
 def read_count(chunk: Chunk) -> int | None:
-    """`server_count` for a chunk as chatblock read it."""
+    """`server_count` for a chunk as blocks.py read it."""
     if not chunk.timings:
         return None
     try:
@@ -96,7 +96,7 @@ def take_pieces(chunk: dict[str, Any], strip: str | None = None) -> list[Piece] 
 
 
 def read_pieces(chunk: Chunk) -> list[Piece] | None:
-    """`take_pieces` for a chunk as chatblock read it (its pieces' fields decoded only
+    """`take_pieces` for a chunk as blocks.py read it (its pieces' fields decoded only
     now); nothing is stripped: the cut takes them out of the bytes."""
     pieces: list[Piece | None] | None = None
     for choice in chunk.choices:
@@ -124,7 +124,7 @@ _KEYS = {
     LOGPROBS_COUNTED: (b'"logprobs":', b'"timings":'),
     TIMINGS: (b'"timings":',),
 }
-# Where each key's values lie in a chunk as chatblock read it.
+# Where each key's values lie in a chunk as blocks.py read it.
 _WHERE: dict[bytes, Callable[[Chunk], list[msgspec.Raw]]] = {
     b'"token_ids":': lambda chunk: [choice.token_ids for choice in chunk.choices],
     b'"prompt_token_ids":': lambda chunk: [chunk.prompt_token_ids],

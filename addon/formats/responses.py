@@ -25,7 +25,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from msgspec import UNSET
+
 from addon.formats import sse
+from addon.formats.blocks import responses_deltas
 from addon.formats.continuation import bound_by
 from addon.formats.dialect import (
     Event,
@@ -66,14 +69,16 @@ class ResponsesReader(TypedEventReader):
         self._called = False  # a function call began in this leg
 
     def plain(self, block: bytes) -> bytes | None:
-        """Only text deltas, which nothing but the transcript needs to read."""
-        plain = (
-            self.rewriter is None
-            and not self._calls.open
-            and block.count(b'"type":"response.output_text.delta"') == block.count(SEP)
-            and b'"error"' not in block
-        )
-        return self.unread(block) if plain else None
+        """Only text deltas, which nothing but the transcript needs to read (read from
+        the decode that found them so)."""
+        if self.rewriter is not None or self._calls.open:
+            return None
+        if (deltas := responses_deltas(block)) is None:
+            return None
+        for event in deltas:
+            self._place(event.sequence_number, event.output_index)
+            self.transcript.add(event.delta)
+        return block
 
     def failure(self, payload: dict[str, Any]) -> str | None:
         kind = payload.get("type")
@@ -102,9 +107,8 @@ class ResponsesReader(TypedEventReader):
 
     def record(self, payload: dict[str, Any]) -> None:
         transcript, wire, kind = self.transcript, self.transcript.wire, payload.get("type")
-        if "sequence_number" in payload:
-            wire["seq"] = payload["sequence_number"]
         at = payload.get("output_index")
+        self._place(payload.get("sequence_number", UNSET), at)
         if kind == "response.output_text.delta":
             transcript.add(payload.get("delta"))
         elif kind in REASONING_DELTAS:
@@ -121,6 +125,13 @@ class ResponsesReader(TypedEventReader):
             response = payload.get("response") or {}
             wire["response"] = response.get("id")
             transcript.legs[-1].model = response.get("model")
+
+    def _place(self, sequence: Any, at: Any) -> None:
+        """Where the client's stream is: its last event's number (UNSET: not written),
+        the index after the output it has seen last."""
+        wire = self.transcript.wire
+        if sequence is not UNSET:
+            wire["seq"] = sequence
         if isinstance(at, int):
             wire["next"] = max(wire.get("next", 0), at + 1)
 

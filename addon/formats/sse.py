@@ -1,7 +1,7 @@
 """Server-sent-event framing for OpenAI-style streams.
 
 The first leg's events are forwarded untouched, so its hot path reads whole blocks
-of bytes in one typed decode (formats/chatblock.py); JSON is parsed whole for the rare
+of bytes in one typed decode (formats/blocks.py); JSON is parsed whole for the rare
 events that need it (errors, finish, anything unusual) and for the legs whose chunks
 are rewritten.
 """
@@ -101,7 +101,17 @@ def as_array(block: bytes) -> bytes:
     not such lines gives no valid JSON, or ValueError at once."""
     if not block.startswith(b"data: ") or not block.endswith(b"\n\n"):
         raise ValueError("not data lines")
-    return b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]"
+    payloads = block[6:-2].replace(b"\n\ndata: ", b",")
+    if b"\n" in payloads:  # a line of another field, which parsing would not read as data
+        raise ValueError("not data lines")
+    return b"[" + payloads + b"]"
+
+
+def named_as_array(block: bytes, name: bytes) -> bytes:
+    """`as_array` for events that name their type, `name`, on an `event:` line before
+    their `data: ` line (Anthropic Messages', OpenAI Responses'; parsing reads the data
+    alone); an event named otherwise gives ValueError."""
+    return as_array(block.replace(b"event: " + name + b"\ndata: ", b"data: "))
 
 
 def is_done(event: bytes) -> bool:

@@ -4,14 +4,12 @@ Every later leg is asked to go on from here."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from msgspec import UNSET
 
-from addon.formats.chatblock import NO_DELTA, Chunk
+from addon.formats.blocks import NO_DELTA, Chunk
 from addon.formats.pieces import (
     REASONING_FIELDS,
     Piece,
@@ -21,9 +19,6 @@ from addon.formats.pieces import (
     take_pieces,
     thought_fields,
 )
-
-UNREAD_BYTES = 64 * 1024  # forwarded chunks kept unread at most (see Transcript.record_raw)
-PARSED_CHUNK_BYTES = 1024  # about what one parsed chat chunk's dicts hold, counted as such
 
 
 @dataclass
@@ -74,9 +69,6 @@ class Transcript:
     stops: tuple[str, ...] = ()
     # What a wire format keeps about the stream the client reads (open blocks, item ids).
     wire: dict[str, Any] = field(default_factory=dict)
-    # Blocks forwarded unread and chunks recorded after them, in order: (item, its reading, bytes).
-    _unread: deque[tuple[Any, Callable[[Any], None], int]] = field(default_factory=deque)
-    _unread_bytes: int = 0
 
     @property
     def text(self) -> str:
@@ -86,41 +78,21 @@ class Transcript:
     def reasoning_text(self) -> str:
         return "".join(self.reasoning)
 
-    def record_raw(self, block: bytes, read: Callable[[bytes], None]) -> None:
-        """Account for a block of events forwarded unread (the wire formats' but chat's,
-        whose blocks are read at once from the decode that found them plain:
-        `record_read`); `settle()` has `read` read it, or it is read as the oldest once
-        more than UNREAD_BYTES wait. Only what the transcript is asked for needs them
-        read (a handoff, the status), but an answer's events kept whole would be most of
-        what an open stream holds. Past that bound one block is read for each that
-        comes: answers that stream in step (a batch's) never all read 64 KiB at once."""
-        self._wait(block, read, len(block))
-
-    def record_in_turn(self, payload: tuple[Any, ...]) -> None:
-        """`record(*payload)` once the blocks forwarded unread before it are read: an
-        answer's end comes with chunks taken one by one, and reading every block it left
-        unread there, for nothing, was most of what ending an answer cost."""
-        if self._unread:
-            self._wait(payload, self._record_payload, PARSED_CHUNK_BYTES)
-        else:
-            self.record(*payload)
-
-    def _record_payload(self, payload: tuple[Any, ...]) -> None:
-        self.record(*payload)
-
-    def _wait(self, item: Any, read: Callable[[Any], None], size: int) -> None:
-        unread = self._unread
-        unread.append((item, read, size))
-        self._unread_bytes += size
-        while self._unread_bytes > UNREAD_BYTES:
-            oldest, read_oldest, its_size = unread.popleft()
-            self._unread_bytes -= its_size
-            read_oldest(oldest)
-
-    def settle(self) -> None:
-        unread, self._unread, self._unread_bytes = self._unread, deque(), 0
-        for item, read, _ in unread:
-            read(item)
+    def standing(self) -> Transcript:
+        """The answer as it stands now, apart from this transcript, which its leg goes on
+        writing while a continuation built from it is checked (awaiting its servers)."""
+        return replace(
+            self,
+            content=list(self.content),
+            reasoning=list(self.reasoning),
+            legs=[replace(leg) for leg in self.legs],
+            other_parts=set(self.other_parts),
+            reads=list(self.reads),
+            ids=None if self.ids is None else list(self.ids),
+            id_bytes=bytearray(self.id_bytes),
+            raw=bytearray(self.raw),
+            wire=dict(self.wire),
+        )
 
     def timed(self, chunk: dict[str, Any]) -> None:
         """A leg's last chunk: how long its server took to read the prompt, if it says."""
@@ -223,8 +195,8 @@ class Transcript:
         self._recount(pieces, server_count(chunk) if made is None else made)
 
     def record_read(self, chunk: Chunk) -> None:
-        """`record` for an ordinary token chunk as chatblock read it (no tool call, no
-        finish: formats/chatblock.py), with no second decode of its bytes."""
+        """`record` for an ordinary token chunk as blocks.py read it (no tool call, no
+        finish: formats/blocks.py), with no second decode of its bytes."""
         self._heading(chunk.id, chunk.created, chunk.model)
         counted = self.produced
         spoke = False

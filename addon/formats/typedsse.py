@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from addon.formats import sse
-from addon.formats.dialect import Event, Garbled, Rewriter, Step, json_object, read_payloads
+from addon.formats.dialect import Event, Garbled, Rewriter, Step, json_object
 from addon.formats.transcript import Transcript
 
 SEP = sse.TERMINATOR
@@ -21,7 +21,6 @@ def encode(payload: dict[str, Any]) -> bytes:
 
 class TypedEventReader:
     boundary = SEP
-    reads_transcript = True
     splitter = sse.EventSplitter
     events = staticmethod(sse.events)
 
@@ -51,11 +50,3 @@ class TypedEventReader:
         if self.rewriter is None:
             return self.sort(payload, event + SEP)
         return [e for new in self.rewriter.rewrite(payload) for e in self.sort(new, encode(new))]
-
-    def unread(self, block: bytes) -> bytes:
-        """The block goes out unread; the transcript reads it when it must (record_raw)."""
-        self.transcript.record_raw(block, self.read_block)
-        return block
-
-    def read_block(self, block: bytes) -> None:
-        read_payloads(sse.events(block), sse.parse, self.record)

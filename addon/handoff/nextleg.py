@@ -99,12 +99,15 @@ class NextLeg:
         server was proven to take one at start-up. Raises CannotContinue."""
         if (why := self.refusal(upstream)) is not None:
             raise CannotContinue(why)
+        # What the checks below hold the continuation to, while the leg goes on.
+        standing = self.transcript.standing()
         if (terms := self._terms(upstream)) is not None:
             answer = Answer(
-                self.transcript, prefill_of(self.body) or "", self._text_continuation(upstream),
+                standing, prefill_of(self.body) or "", self._text_continuation(upstream),
                 bool(self.body.get("tools")), lambda chat: self._chat_leg(upstream, chat),
             )  # fmt: skip
-            (path, body, rewriter), replay = await build(terms, answer, self._exact_ids(upstream))
+            ids = standing.ids if self._exact_ids(upstream) is not None else None
+            (path, body, rewriter), replay = await build(terms, answer, ids)
         else:
             path, body, rewriter, replay = self._dialect_leg(upstream)
         body.pop("id_slot", None)  # the client's, one of the primary's (see `rerouted`)
@@ -112,7 +115,7 @@ class NextLeg:
         if self._servers and (own := self._servers.own_model(upstream, body.get("model"))):
             body["model"] = own
         if terms is None and replay and self._checked_as_chat(upstream):
-            await self._check_as_chat(upstream, body)
+            await self._check_as_chat(upstream, body, standing)
         elif terms is None and replay:
             await self._check_spelled(upstream, body.get("model"))
         return path, body, rewriter, replay
@@ -178,14 +181,16 @@ class NextLeg:
             and info.proof == "engine"
         )
 
-    async def _check_as_chat(self, upstream: Upstream, body: dict[str, Any]) -> None:
+    async def _check_as_chat(
+        self, upstream: Upstream, body: dict[str, Any], standing: Transcript
+    ) -> None:
         """Raises CannotContinue where `upstream` would not read `body` as exactly what
-        the model saw and wrote (handoff/translated.py)."""
+        the model saw and wrote, as `standing` has it (handoff/translated.py)."""
         servers = self._servers
         assert servers is not None
         await translated.check(
             self.dialect.name, upstream.url, lambda chat: servers.rendering(upstream, chat),
-            servers.asker(upstream), self.body, body, self.transcript,
+            servers.asker(upstream), self.body, body, standing,
             router=servers.get(upstream).engine != "llama-server",
         )  # fmt: skip
 

@@ -190,7 +190,6 @@ class Shadow:
 
     async def _run(self) -> None:
         while self.ended is None:
-            self._transcript.settle()
             produced = self._transcript.produced
             # From the first token on, so that every update takes the same path (token
             # ids where they can replay) and the first one's prefix is never read twice.

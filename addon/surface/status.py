@@ -20,8 +20,6 @@ def assemble_status(
 ) -> dict[str, Any]:
     """`live`: splices by flow; `urls`: every server of this proxy; `parts`: what
     other addons add, by name."""
-    for splice in live.values():
-        splice.transcript.settle()
     router, shadows = fleet.router, fleet.shadows.by_answer
     return {
         "pid": os.getpid(),  # which process answers (one of several workers, say)

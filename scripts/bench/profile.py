@@ -39,7 +39,7 @@ from scripts.testbed.mitm import Mitmdump
 BUCKETS = (
     ("json parse", ("json/decoder.py", "loads (json/__init__.py", "orjson", "msgspec")),
     ("json dump", ("json/encoder.py", "dumps (json/__init__.py")),
-    ("sse split", ("formats/sse.py", "formats/chatblock.py")),
+    ("sse split", ("formats/sse.py", "formats/blocks.py")),
     ("fields", ("formats/wire.py", "formats/chat.py", "formats/shape.py", "formats/sizes.py")),
     ("rewrite", ("formats/continuation.py", "formats/startover.py", "formats/dialect.py")),
     ("transcript", ("formats/transcript.py", "formats/pieces.py")),
