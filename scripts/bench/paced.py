@@ -6,7 +6,9 @@ each, started together; the client reads them all over raw sockets and times eac
 from the server's send stamp to its arrival. Side by side in one run: direct, plain
 mitmdump, the addon, the addon asking for token ids (a fallback with the same
 tokenizer: a second stand-in), and the addon over worker processes behind HAProxy
-(`--workers 2,4,8`: a row per count, where HAProxy is installed). For each: events/s
+(`--workers 2,4,8`: a row per count, where HAProxy is installed); `--api messages` streams
+Anthropic Messages events instead of chat chunks (no token-ids row: the addon asks for
+ids on chat only). For each: events/s
 delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
 the proxy's CPU (its processes together, in cores, and in CPU seconds per 10,000 events
 delivered) and its memory per 1,000 open streams (its resident memory at its most while
@@ -14,6 +16,7 @@ the row streams, over idle), and when the last stream's first event came ("1st m
 after all were asked); then each route against plain mitmdump, as ratios.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
+        [--api chat|messages]
 """
 
 from __future__ import annotations
@@ -46,20 +49,23 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
+
 async def paced_streams(
-    port: int, streams: int, rate: int, seconds: float
+    port: int, streams: int, rate: int, seconds: float, api: str = "chat"
 ) -> tuple[int, float, list[float], list[float]]:
     """(events received, seconds until the last stream ended, latencies in ms, each
     stream's first event in ms after they were all asked)."""
     body = {
         "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
-        "messages": MESSAGES,
+        "messages": MESSAGES, "model": "bench",
     }  # fmt: skip
     latencies: list[float] = []
     firsts: list[float] = []
     start = time.perf_counter()
     counts = await asyncio.gather(
-        *(read_stream(port, body, latencies, firsts) for _ in range(streams))
+        *(read_stream(port, body, latencies, firsts, PATHS[api]) for _ in range(streams))
     )
     took = time.perf_counter() - start
     return sum(counts), took, latencies, [1000 * (first - start) for first in firsts]
@@ -87,9 +93,9 @@ def resident_mib(pids: list[int]) -> float:
 
 
 def measure(
-    port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float
+    port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float, api: str
 ) -> Row:
-    asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5))  # warm up
+    asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5, api))  # warm up
     used, idle = cpu_seconds(pids()), resident_mib(pids())
     most = [idle]
     done = threading.Event()
@@ -100,7 +106,7 @@ def measure(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    events, took, latencies, firsts = asyncio.run(paced_streams(port, streams, rate, seconds))
+    events, took, latencies, firsts = asyncio.run(paced_streams(port, streams, rate, seconds, api))
     done.set()
     sampler.join()
     cpu = cpu_seconds(pids()) - used
@@ -173,10 +179,12 @@ def main() -> None:
         "--workers", default="", help="worker counts behind HAProxy, a row each (e.g. 2,4,8)"
     )
     parser.add_argument("--no-ids", action="store_true", help="leave out the 'addon, ids' row")
+    parser.add_argument("--api", choices=list(PATHS), default="chat", help="the API streamed")
     args = parser.parse_args()
     counts = [16, 64] if args.quick else [int(n) for n in args.streams.split(",")]
     seconds = 3 if args.quick else args.seconds
-    names = ["direct", "plain mitmdump", "addon", *([] if args.no_ids else ["addon, ids"])]
+    ids = not args.no_ids and args.api == "chat"
+    names = ["direct", "plain mitmdump", "addon", *(["addon, ids"] if ids else [])]
     names += [f"workers {n}" for n in filter(None, args.workers.split(","))]
     # thousands of sockets: the client's, and every proxy's (they inherit the limit)
     _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -190,13 +198,18 @@ def main() -> None:
                 with route(name, source, twin, work) as (port, pids):
                     before = served(source)["with_ids"]
                     for streams in counts:
-                        rows[streams, name] = measure(port, pids, streams, args.rate, seconds)
+                        rows[streams, name] = measure(
+                            port, pids, streams, args.rate, seconds, args.api
+                        )
                     asked_ids = served(source)["with_ids"] > before
                     if asked_ids != (name == "addon, ids"):
                         raise RuntimeError(
                             f"row {name!r} did not take its path (token ids: {asked_ids})"
                         )
-    print(f"{args.rate} events/s per stream, {seconds:g} s per row, {os.cpu_count()} cores shared")
+    print(
+        f"{args.api}: {args.rate} events/s per stream, {seconds:g} s per row, "
+        f"{os.cpu_count()} cores shared"
+    )
     print("\n".join(report(rows, counts, names)))
 
 

@@ -46,15 +46,19 @@ class SseSource(ManagedProcess):
 
 
 async def read_stream(
-    port: int, body: dict, latencies: list[float] | None = None, firsts: list[float] | None = None
+    port: int,
+    body: dict,
+    latencies: list[float] | None = None,
+    firsts: list[float] | None = None,
+    path: str = "/v1/chat/completions",
 ) -> int:
     """Stream one answer over a raw socket; count its chunks (and their latencies, and
     when its first chunk came: time.perf_counter())."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload)
     )
     head = await reader.readuntil(b"\r\n\r\n")
     assert b"chunked" in head.lower(), head

@@ -5,6 +5,7 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
 
     python -m scripts.testbed.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
+    POST /v1/messages {"max_tokens": N, "interval_ms": 0}   (the same, as Anthropic Messages events)
 
 Paced streams share one step clock: every open stream's next event is written at the same
 tick, back to back, as a GPU server writes a batch's tokens after each decode step.
@@ -23,6 +24,7 @@ token ids (so a benchmark can check that each of its rows takes the path it name
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -66,6 +68,38 @@ def chunk(index: int, finish: str | None = None, ids: bool = False, timed: bool 
             "predicted_per_second": 666.7,
         }  # fmt: skip
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def message_event(kind: str, payload: dict) -> bytes:
+    """An Anthropic Messages event, its type named on its `event:` line too."""
+    data = json.dumps({"type": kind, **payload}, separators=(",", ":")).encode()
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def message_delta(index: int) -> bytes:
+    """One token's text delta, as llama-server's Messages route writes it (plus the stamp)."""
+    delta = {"type": "text_delta", "text": f" w{index % 1000}"}
+    return message_event(
+        "content_block_delta", {"index": 0, "delta": delta, "sent_ns": time.perf_counter_ns()}
+    )
+
+
+MESSAGE = {
+    "id": "msg_bench", "type": "message", "role": "assistant", "content": [], "model": "bench",
+    "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 0},
+}  # fmt: skip
+MESSAGE_HEAD = message_event("message_start", {"message": MESSAGE}) + message_event(
+    "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+)
+
+
+def message_tail(count: int) -> bytes:
+    stop = {"stop_reason": "max_tokens", "stop_sequence": None}
+    return (
+        message_event("content_block_stop", {"index": 0})
+        + message_event("message_delta", {"delta": stop, "usage": {"output_tokens": count}})
+        + message_event("message_stop", {})
+    )
 
 
 def framed(data: bytes) -> bytes:
@@ -112,6 +146,9 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             count = int(body.get("max_tokens", 1000))
             interval = float(body.get("interval_ms", 0)) / 1000
             writer.write(HEAD)
+            if messages := path == "/v1/messages":
+                writer.write(framed(MESSAGE_HEAD))
+            event = message_delta if messages else functools.partial(chunk, ids=ids, timed=timed)
             if big := int(body.get("big_event_mib", 0)):
                 await send_big_event(writer, big)
             if interval:
@@ -120,17 +157,18 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 start = math.ceil(time.monotonic() / interval) * interval
                 for i in range(count):
                     await asyncio.sleep(max(0.0, start + i * interval - time.monotonic()))
-                    writer.write(framed(chunk(i, ids=ids, timed=timed)))
+                    writer.write(framed(event(i)))
                     await writer.drain()
             else:
                 for start in range(0, count, BATCH):
                     end = min(count, start + BATCH)
                     # One HTTP chunk per event, as llama-server sends them.
-                    writer.write(
-                        b"".join(framed(chunk(i, ids=ids, timed=timed)) for i in range(start, end))
-                    )
+                    writer.write(b"".join(framed(event(i)) for i in range(start, end)))
                     await writer.drain()
-            tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
+            if messages:
+                tail = message_tail(count)
+            else:
+                tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
             writer.write(framed(tail) + b"0\r\n\r\n")
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
