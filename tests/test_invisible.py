@@ -20,7 +20,7 @@ import pytest
 
 from scripts.testbed.prompts import PROMPT
 
-VOLATILE = {"id", "created", "timings", "t_start", "media_marker"}
+VOLATILE = {"id", "item_id", "created", "created_at", "timings", "t_start", "media_marker"}
 ASKED = ("n_probs", "post_sampling_probs", "timings_per_token")
 # A body's length moves with its timings; a process's start time with the process.
 VOLATILE_HEADERS = {b"content-length", b"process-start-time-unix"}
@@ -35,6 +35,14 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 def text(**extra: Any) -> dict[str, Any]:
     return {"prompt": TEXT, "max_tokens": 16, "temperature": 0, **extra}
+
+
+def messages(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": PROMPT, "max_tokens": 24, "temperature": 0, **extra}
+
+
+def responses(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "input": TEXT, "max_output_tokens": 24, "temperature": 0, **extra}
 
 
 def native(**extra: Any) -> dict[str, Any]:
@@ -102,6 +110,12 @@ CORPUS: list[tuple[str, str, Any]] = [
     ("POST", "/completion", native(stream=True, n_probs=2, post_sampling_probs=True)),
     ("POST", "/completion", native(stream=True, return_tokens=True, timings_per_token=True)),
     ("POST", "/completion", native(stream=True, prompt=[1, 2, 3, 4])),
+    # The other APIs llama-server serves (and the addon carries).
+    ("POST", "/v1/messages", messages()),
+    ("POST", "/v1/messages", messages(stream=True)),
+    ("POST", "/v1/messages", messages(stream=True, thinking={"type": "enabled"})),
+    ("POST", "/v1/responses", responses()),
+    ("POST", "/v1/responses", responses(stream=True)),
     ("POST", "/infill", {"input_prefix": "def f(", "input_suffix": ")"}),
     ("POST", "/v1/embeddings", {"input": TEXT}),
     ("GET", "/slots", None),
@@ -150,6 +164,9 @@ def comparable(raw: bytes, kind: str, path: str) -> Any:
 
 
 def without_volatile(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith("event: ") and "\ndata: {" in value:
+        name, data = value.split("\n", 1)  # an event that names its type first
+        return name + "\n" + without_volatile(data)
     if isinstance(value, str) and value.startswith("data: {"):
         return "data: " + json.dumps(without_volatile(json.loads(value[6:])), sort_keys=True)
     if isinstance(value, dict):
