@@ -500,6 +500,58 @@ def test_reasoning_in_both_fields_is_one_reasoning_with_its_ids() -> None:
     assert transcript.exact_ids() == [7, 8], "the ids spell the reasoning once"
 
 
+def _vllm_chunk(ids: list[int], reasoning: str = "", content: str = "") -> dict:
+    delta = {k: v for k, v in (("reasoning", reasoning), ("content", content)) if v}
+    return {"id": "v", "created": 1, "choices": [{"index": 0, "delta": delta, "token_ids": ids}]}
+
+
+# vLLM's chunks of two reasoning tokens, the tag that closes the reasoning (99: no text of
+# its own) and one content token, as vLLM sends them when its API server keeps up, and
+# when it falls behind and merges the tag with the token before or after it.
+CLOSED_REASONING = {
+    "the tag alone": [[5], [6], [99], [7]],
+    "with the last reasoning token": [[5], [6, 99], [7]],
+    "with the first content token": [[5], [6], [99, 7]],
+}
+
+
+@pytest.mark.parametrize("steps", CLOSED_REASONING.values(), ids=list(CLOSED_REASONING))
+@pytest.mark.parametrize("typed", [False, True])
+def test_vllms_ids_count_the_tag_that_closed_the_reasoning_once(
+    steps: list[list[int]], typed: bool
+) -> None:
+    """However vLLM groups them, its ids count the tag once: the budget left for the
+    next server is the answer's (counted twice, the continuation came a token short)."""
+    texts = {5: (" a", ""), 6: (" b", ""), 99: ("", ""), 7: ("", " c")}
+    transcript = Transcript()
+    transcript.begin_leg("http://vllm", vocabulary="v")
+    reader = ChatReader(transcript, None, None, "http://vllm")
+    for ids in steps:
+        reasoning = "".join(texts[i][0] for i in ids)
+        content = "".join(texts[i][1] for i in ids)
+        chunk = _vllm_chunk(ids, reasoning, content)
+        if typed:
+            assert reader.plain(b"data: " + json.dumps(chunk).encode() + b"\n\n") is not None
+        else:
+            transcript.record(chunk)
+    assert (transcript.produced, transcript.legs[-1].completion_tokens) == (4, 4)
+    assert (transcript.reasoning_text, transcript.text) == (" a b", " c")
+
+
+def test_llama_servers_tag_is_counted_where_no_piece_carries_it() -> None:
+    """llama-server sends no piece for the tag (its parser hides it): its content's first
+    token counts it, and nothing takes it back (the server's `timings` recount it where
+    asked)."""
+    transcript = Transcript()
+    transcript.begin_leg("http://llama", vocabulary="v", raw_pieces=True)
+    for field, text, token in (("reasoning_content", " a", 5), ("content", " c", 7)):
+        entry = {"id": token, "token": text, "bytes": list(text.encode()), "logprob": 0.0}
+        delta = {field: text}
+        choice = {"index": 0, "delta": delta, "logprobs": {"content": [entry]}}
+        transcript.record({"id": "l", "created": 1, "choices": [choice]})
+    assert transcript.produced == 3
+
+
 def test_a_restated_reasoning_in_both_fields_is_taken_out_of_both() -> None:
     """A continuation that writes the reasoning again, in both fields: echoed while the
     reasoning goes on (taken out, the rest in each field the client reads), restated

@@ -27,6 +27,7 @@ class LegUsage:
     model: str | None = None
     completion_tokens: int = 0
     prompt_tokens: int | None = None
+    raw_pieces: bool = False  # its pieces are its tokens' own bytes (see begin_leg)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Transcript:
             self.prefill_echoed = echoes
         if self.legs and not raw_pieces:
             self.raw_whole = False
-        self.legs.append(LegUsage(server))
+        self.legs.append(LegUsage(server, raw_pieces=raw_pieces))
         if not self.ids:
             self.vocabulary = vocabulary
         elif vocabulary is None or vocabulary != self.vocabulary:
@@ -243,8 +244,12 @@ class Transcript:
         # One chunk may carry more tokens than its deltas: vLLM's when its API server falls
         # behind or holds a token's text back, llama-server's when it held text back (half
         # of a character, the start of a stop string). Its ids count them, and the marker
-        # that closed the reasoning, which vLLM sends as ids with an empty delta.
-        if (more := len(pieces) - counted) > 0:
+        # that closed the reasoning, which vLLM sends as ids with an empty delta. vLLM's
+        # ids are every token it generated: where `add` counted that marker at the first
+        # content after its id came (merged with the last reasoning token's), they say
+        # one fewer, and are right (llama-server's count is its `timings`, `_recount`).
+        more = len(pieces) - counted
+        if more > 0 or (more < 0 and not self.legs[-1].raw_pieces):
             self.produced += more
             self.legs[-1].completion_tokens += more
         if self.ids is None:
