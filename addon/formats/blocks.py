@@ -58,6 +58,9 @@ class Chunk(msgspec.Struct, gc=False):
     prompt_token_ids: msgspec.Raw = msgspec.Raw()
 
 
+# What a block msgspec will not read raises: not this framing (ValueError), another type
+# or shape, nesting too deep. The block then goes event by event.
+_REFUSED = (ValueError, msgspec.MsgspecError, RecursionError)
 _CHUNKS = msgspec.json.Decoder(list[Chunk])
 
 
@@ -65,7 +68,7 @@ def chunks_of(block: bytes) -> list[Chunk] | None:
     """The chunks of a block of one-line `data: {...}` events; None for anything else."""
     try:
         return _CHUNKS.decode(sse.as_array(block))
-    except (ValueError, msgspec.MsgspecError, RecursionError):
+    except _REFUSED:
         return None
 
 
@@ -106,7 +109,7 @@ def messages_deltas(block: bytes) -> list[MessagesDelta] | None:
     text or of thinking (`content_block_delta`); None otherwise."""
     try:
         events = _MESSAGES.decode(sse.named_as_array(block, b"content_block_delta"))
-    except (ValueError, msgspec.MsgspecError, RecursionError):
+    except _REFUSED:
         return None
     if any(e.delta.type not in _MESSAGES_DELTAS or e.error for e in events):
         return None
@@ -128,7 +131,7 @@ def responses_deltas(block: bytes) -> list[ResponsesDelta] | None:
     answer's text (`response.output_text.delta`); None otherwise."""
     try:
         events = _RESPONSES.decode(sse.named_as_array(block, b"response.output_text.delta"))
-    except (ValueError, msgspec.MsgspecError, RecursionError):
+    except _REFUSED:
         return None
     return None if any(event.error for event in events) else events
 
@@ -160,7 +163,7 @@ def ollama_pieces(block: bytes) -> list[OllamaLine] | None:
         # A line's JSON holds no raw newline, so each one parts two lines (an empty
         # line gives no valid JSON).
         lines = _OLLAMA.decode(b"[" + block[:-1].replace(b"\n", b",") + b"]")
-    except (ValueError, msgspec.MsgspecError, RecursionError):
+    except _REFUSED:
         return None
     for line in lines:
         if line.done or line.error or (line.message and line.message.tool_calls):
