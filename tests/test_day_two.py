@@ -18,7 +18,7 @@ from scripts.testbed.memfiles import FakeCard, FakeProcess, write_in_place
 from scripts.testbed.mitm import watch_sysfs
 from tests.streams import assert_exact_splice, assert_one_clean_stream, chat_body, read_stream
 from tests.test_cli import spillover
-from tests.test_pressure_handoff import step_hands_off
+from tests.test_pressure_handoff import step_hands_off, taken_at
 from tests.test_routing import CONTROL, state_of, wait_for
 from watchers.gates import REFRESH_SECONDS
 
@@ -149,9 +149,8 @@ def test_the_primarys_model_unloaded_and_loaded_again_is_never_pressure(
     said = spillover("status", "--proxy", proxy.url).stdout
     assert f"held by: llama-server {primary.pid} (a server) 23,552 MiB, desktop" in said
     assert state_of(proxy, primary.url) == "ok"
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and other.hold(200 + 800)
-    )
+    take = taken_at(20, proxy, primary, lambda: other.hold(200 + 800))
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=take)
     assert_one_clean_stream(stream)
     (note,) = stream.notes
     assert "memory pressure on drm:card0" in note

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -33,13 +34,39 @@ def watched(start_proxy, primary: LlamaServer, fallback: LlamaServer, tmp_path: 
     return start_proxy(primary.url, [fallback.url], options=watch_sysfs(sysfs, on)), cards
 
 
+def taken_at(
+    chunk: int, proxy, server, take: Callable[[], object],
+    seen: Callable[[dict], bool] | None = None,
+) -> Callable[[int], None]:  # fmt: skip
+    """An `on_chunk` that, once the client has `chunk` chunks, takes memory with `take()`
+    while `server` is stopped (SIGSTOP), until the proxy's status shows it `seen` (by
+    default: the live answer has left `server`). A tiny model writes the whole answer in
+    a fraction of a second: on a loaded machine it could finish before the watcher's two
+    readings, and nothing would be left to move."""
+
+    def left(status: dict) -> bool:
+        return bool(status["live"]) and status["live"][0]["server"] != server.url
+
+    def on_chunk(n: int) -> None:
+        if n != chunk:
+            return
+        with held(server):
+            take()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if (seen or left)(httpx.get(proxy.url + "/spillover/status").json()):
+                    return
+                time.sleep(0.005)
+
+    return on_chunk
+
+
 def step_hands_off(proxy, card: FakeCard, used_mib: int, said: str, primary, fallback):
     """An answer through `proxy` whose card reaches `used_mib` at its 20th chunk: handed
     off once, its note saying `said`, the client's text the primary's then exactly the
     fallback's own continuation. The stream, for more checks."""
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card.set_used(used_mib)
-    )
+    take = taken_at(20, proxy, primary, lambda: card.set_used(used_mib))
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=take)
     assert_one_clean_stream(stream)
     (note,) = stream.notes
     assert said in note, note
@@ -68,15 +95,19 @@ def test_a_step_on_the_primarys_card_hands_off(
     assert "spillover_live_streams 0.0" in metrics
 
 
-def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(watched) -> None:
+def test_pressure_on_a_card_the_stream_does_not_use_changes_nothing(
+    watched, primary: LlamaServer
+) -> None:
     proxy, (_, card1) = watched
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card1.set_used(8000)
-    )
+
+    def fired(status: dict) -> bool:
+        return status["memory"]["cards"]["drm:card1"]["fired"] == 1
+
+    take = taken_at(20, proxy, primary, lambda: card1.set_used(8000), seen=fired)
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=take)
     assert_one_clean_stream(stream)
     assert stream.notes == []
-    status = httpx.get(proxy.url + "/spillover/status").json()["memory"]
-    assert status["cards"]["drm:card1"]["fired"] == 1
+    assert fired(httpx.get(proxy.url + "/spillover/status").json())
 
 
 @pytest.mark.alone
@@ -191,9 +222,8 @@ def test_never_onto_the_card_that_fired(
     # Both fallbacks known first, so the first is passed over for its card alone (not for
     # being unproven yet, as a handoff in the proxy's first moments can find it).
     proxy.servers_known()
-    stream = read_stream(
-        proxy.url, chat_body(LONG), on_chunk=lambda n: n == 20 and card0.set_used(15041)
-    )
+    take = taken_at(20, proxy, primary, lambda: card0.set_used(15041))
+    stream = read_stream(proxy.url, chat_body(LONG), on_chunk=take)
     assert_one_clean_stream(stream)
     (note,) = stream.notes
     assert f"{primary.url} -> {last.url} " in note and "memory pressure on drm:card0" in note
@@ -277,9 +307,8 @@ def test_one_model_over_two_cards_hands_off_for_a_step_on_either(
     assert mapped[primary.url]["cards"] == ["drm:card0", "drm:card1"]
     for card, used, said in ((card1, 24276, "drm:card1: 300 MiB free"),
                              (card0, 24376, "drm:card0: 200 MiB free")):  # fmt: skip
-        stream = read_stream(
-            proxy.url, chat_body(LONG), on_chunk=lambda n, c=card, u=used: n == 20 and c.set_used(u)
-        )
+        take = taken_at(20, proxy, primary, lambda c=card, u=used: c.set_used(u))
+        stream = read_stream(proxy.url, chat_body(LONG), on_chunk=take)
         assert_one_clean_stream(stream)
         (note,) = stream.notes
         assert f"memory pressure on {said}" in note
