@@ -147,6 +147,20 @@ def test_a_step_spread_over_two_samples_is_not_missed() -> None:
     assert any(f and "step +1,400 MiB" in f for f in fired)
 
 
+def test_a_step_seen_by_a_late_monitor_still_fires() -> None:
+    """The monitor fell behind (a busy proxy on a loaded machine): the step's reading came
+    0.4 s after the one before, past the 0.25 s window. A climb that took longer than
+    LATE_S is no step."""
+    state = CardState("c")
+    assert state.observe(reading(10000, 0.0), LINES) is None
+    assert state.observe(reading(15041, 0.4), LINES) is None  # awaiting confirmation
+    crossing = state.observe(reading(15041, 0.403), LINES)
+    assert crossing is not None and crossing.line == "step +5,041 MiB, 1,343 MiB left"
+    slow = CardState("c")
+    assert [slow.observe(reading(v, t), LINES) for v, t in ((10000, 0), (15041, 1.5))] == [None] * 2
+    assert slow.observe(reading(15041, 1.503), LINES) is None and slow.armed
+
+
 def test_a_step_with_plenty_left_is_not_pressure() -> None:
     assert feed(CardState("c"), [1000, 1000, 3000, 3000, 3000]) == [None] * 5
 

@@ -22,8 +22,10 @@ their growing or reloading never fires. A server coming up after loading settles
 card at once.
 
 A line must hold on two readings in a row (the monitor takes the second a few ms after
-the first), so one noisy reading never fires. While pressured, the lines count from what
-the card had free when it fired, so each further step fires again. A card that fired
+the first), so one noisy reading never fires. A monitor that fell behind (readings
+further apart than `window_s`, up to LATE_S) measures a step from the reading before.
+While pressured, the lines count from what the card had free when it fired, so each
+further step fires again. A card that fired
 re-arms once it has `rearm_mib` more than its floor free, or three quarters of what was
 taken back (whichever comes first), and no step is under way; or once its memory has held
 still for `settle_s` (that level is then its rest).
@@ -41,6 +43,7 @@ FLOOR_MIN_MIB = 512.0
 FLOOR_MAX_MIB = 2048.0
 REST_SHARE = 0.5  # a card full at rest acts when this share of its free memory is taken
 BACK_SHARE = 0.75  # ... and is clear again once this share of what was taken is back
+LATE_S = 1.0  # a late monitor's reading before still measures a step this far back
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,10 @@ class CardState:
         # Readings far apart (a remote card's scrapes): the rise between the last ones.
         window = max(lines.window_s, 2 * (reading.fresh_s or 0.0))
         recent = [used for t, used in self.history if reading.time - t <= window]
+        if not recent and self.history and reading.time - self.history[-1][0] <= LATE_S:
+            # The monitor fell behind (a busy proxy, a loaded machine): the rise since the
+            # reading before is all it saw of the step, and still one.
+            recent = [self.history[-1][1]]
         if recent:
             rise = (reading.used_mib if level is None else level) - min(recent)
             if rise >= lines.step_mib and (
