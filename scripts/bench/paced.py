@@ -5,10 +5,11 @@ A stand-in server (scripts/testbed/sse_source.py) streams N answers at RATE even
 each, started together; the client reads them all over raw sockets and times each event
 from the server's send stamp to its arrival. Side by side in one run: direct, plain
 mitmdump, the addon, the addon asking for token ids (a fallback with the same
-tokenizer: a second stand-in), and the addon over worker processes behind HAProxy
-(`--workers 2,4,8`: a row per count, where HAProxy is installed); `--api messages` streams
-Anthropic Messages events instead of chat chunks (no token-ids row: the addon asks for
-ids on chat only). For each: events/s
+tokenizer: a second stand-in), plain mitmdump carrying the same chunks as that row (its
+client asks for the ids: what a longer chunk costs any proxy), and the addon over worker
+processes behind HAProxy (`--workers 2,4,8`: a row per count, where HAProxy is
+installed); `--api messages` streams Anthropic Messages events instead of chat chunks (no
+token-ids rows: the addon asks for ids on chat only). For each: events/s
 delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
 the proxy's CPU (its processes together, in cores, and in CPU seconds per 10,000 events
 delivered) and its memory per 1,000 open streams (its resident memory at its most while
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from addon.handoff.exact import asking_for_ids
 from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
@@ -50,17 +52,21 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+PLAIN_IDS = "plain, ids chunks"  # plain mitmdump, its client asking for the addon's ids
 
 
 async def paced_streams(
-    port: int, streams: int, rate: int, seconds: float, api: str = "chat"
+    port: int, streams: int, rate: int, seconds: float, api: str = "chat", ids: bool = False
 ) -> tuple[int, float, list[float], list[float]]:
     """(events received, seconds until the last stream ended, latencies in ms, each
-    stream's first event in ms after they were all asked)."""
+    stream's first event in ms after they were all asked); `ids`: the client asks for
+    token ids as the addon does (exact.asking_for_ids)."""
     body = {
         "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
         "messages": MESSAGES, "model": "bench",
     }  # fmt: skip
+    if ids:
+        body = asking_for_ids(body)
     latencies: list[float] = []
     firsts: list[float] = []
     start = time.perf_counter()
@@ -93,9 +99,10 @@ def resident_mib(pids: list[int]) -> float:
 
 
 def measure(
-    port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float, api: str
-) -> Row:
-    asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5, api))  # warm up
+    port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float, api: str,
+    ids: bool = False,
+) -> Row:  # fmt: skip
+    asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5, api, ids))  # warm up
     used, idle = cpu_seconds(pids()), resident_mib(pids())
     most = [idle]
     done = threading.Event()
@@ -106,7 +113,9 @@ def measure(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    events, took, latencies, firsts = asyncio.run(paced_streams(port, streams, rate, seconds, api))
+    events, took, latencies, firsts = asyncio.run(
+        paced_streams(port, streams, rate, seconds, api, ids)
+    )
     done.set()
     sampler.join()
     cpu = cpu_seconds(pids()) - used
@@ -137,7 +146,7 @@ def route(
             yield pool.port, pool.pids
         return
     fallbacks = [twin.url] if name == "addon, ids" else []
-    proxy = Mitmdump(source.url, fallbacks, addon=name != "plain mitmdump", log_dir=work)
+    proxy = Mitmdump(source.url, fallbacks, addon=not name.startswith("plain"), log_dir=work)
     with running(proxy):
         if fallbacks:
             wait_for_tokenizers(proxy)
@@ -160,11 +169,20 @@ def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]
     for streams in counts:
         plain = rows[streams, "plain mitmdump"]
         for name in names[2:]:
+            if name == PLAIN_IDS:
+                continue
             row = rows[streams, name]
             lines.append(
                 f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
                 f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x, "
                 f"CPU per event {row[5] / plain[5]:.2f}x"
+            )
+        if PLAIN_IDS in names:
+            same, row = rows[streams, PLAIN_IDS], rows[streams, "addon, ids"]
+            lines.append(
+                f"{streams} streams, addon, ids / {PLAIN_IDS}: CPU per event "
+                f"{row[5] / same[5]:.2f}x (plain mitmdump's own, carrying them: "
+                f"{same[5] / plain[5]:.2f}x)"
             )
     return lines
 
@@ -184,7 +202,7 @@ def main() -> None:
     counts = [16, 64] if args.quick else [int(n) for n in args.streams.split(",")]
     seconds = 3 if args.quick else args.seconds
     ids = not args.no_ids and args.api == "chat"
-    names = ["direct", "plain mitmdump", "addon", *(["addon, ids"] if ids else [])]
+    names = ["direct", "plain mitmdump", "addon", *(["addon, ids", PLAIN_IDS] if ids else [])]
     names += [f"workers {n}" for n in filter(None, args.workers.split(","))]
     # thousands of sockets: the client's, and every proxy's (they inherit the limit)
     _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -199,10 +217,10 @@ def main() -> None:
                     before = served(source)["with_ids"]
                     for streams in counts:
                         rows[streams, name] = measure(
-                            port, pids, streams, args.rate, seconds, args.api
+                            port, pids, streams, args.rate, seconds, args.api, name == PLAIN_IDS
                         )
                     asked_ids = served(source)["with_ids"] > before
-                    if asked_ids != (name == "addon, ids"):
+                    if asked_ids != (name in ("addon, ids", PLAIN_IDS)):
                         raise RuntimeError(
                             f"row {name!r} did not take its path (token ids: {asked_ids})"
                         )
