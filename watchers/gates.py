@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import urlsplit
 
 from watchers.devices import DeviceCards, open_devices
-from watchers.listeners import Listeners, descendants, find_listeners
+from watchers.listeners import Listeners, descendants, find_listeners, port_of
 from watchers.listeners import listening_pids as listening_pids  # for older importers
 from watchers.meminfo import CARD as RAM
 
@@ -191,7 +191,7 @@ class CardMap:
             parts = urlsplit(server)
             if parts.hostname not in LOCAL_HOSTS:
                 continue
-            port = _port_of(parts)
+            port = port_of(parts)
             known = self._listeners.get(port)
             if known is None or time.monotonic() - known[0] >= REFRESH_SECONDS:
                 known = (time.monotonic(), find_listeners(port, self._proc).pids)
@@ -204,7 +204,7 @@ class CardMap:
         parts = urlsplit(server)
         if parts.hostname not in LOCAL_HOSTS:
             return Mapping(frozenset(), REMOTE, f"{parts.hostname} is not this machine: {SAY_IT}")
-        port = _port_of(parts)
+        port = port_of(parts)
         found = find_listeners(port, self._proc)
         if not found.pids:
             return self._not_found(port, found)
@@ -289,8 +289,3 @@ class CardMap:
             return (self._proc / str(pid) / "comm").read_text().strip()
         except OSError:
             return "?"
-
-
-def _port_of(parts: SplitResult) -> int:
-    """The port a server's URL names, or its scheme's own (an https URL without one: 443)."""
-    return parts.port or (443 if parts.scheme == "https" else 80)

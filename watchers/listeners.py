@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import SplitResult, urlsplit
 
 from watchers.sockdiag import listening
 
@@ -18,6 +19,12 @@ class Listeners:
     listening: bool  # a socket in this network namespace listens on the port
     pids: frozenset[int]  # the processes holding it
     unreadable: frozenset[int]  # processes of the socket's owner whose descriptors we may not read
+
+
+def port_of(url: str | SplitResult) -> int:
+    """The port a server's URL names, or its scheme's own (an https URL without one: 443)."""
+    parts = urlsplit(url) if isinstance(url, str) else url
+    return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def find_listeners(port: int, proc: Path = LIVE_PROC) -> Listeners:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from addon.servers.credentials import redacted
+from watchers.listeners import port_of
 
 KEEP_BYTES = 4 * 1024 * 1024  # of one response; past that a flow says how much it left out
 
@@ -78,9 +79,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        port = url.port or (443 if url.scheme == "https" else 80)
         exchange = Exchange(
-            f"{url.scheme}://{url.host}:{port}", request.method, url.raw_path.decode(),
+            f"{url.scheme}://{url.host}:{port_of(str(url))}", request.method, url.raw_path.decode(),
             redacted(request.headers.raw), await request.aread(),
             purpose="question",
         )  # fmt: skip

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import h11
 
+from watchers.listeners import port_of
+
 # What a connection holds unread before it stops reading from the socket (as asyncio's
 # StreamReader does at twice its 64 KiB limit): a slow consumer slows the server.
 HELD_UNREAD = 2 * 65536
@@ -50,8 +52,7 @@ class Upstream:
 
     @property
     def port(self) -> int:
-        parts = urlsplit(self.url)
-        return parts.port or (443 if parts.scheme == "https" else 80)
+        return port_of(self.url)
 
     @property
     def authority(self) -> str:

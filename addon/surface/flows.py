@@ -16,6 +16,7 @@ from mitmproxy import flow as mflow
 
 from addon.handoff.record import Handoff
 from addon.servers.exchange import Exchange
+from watchers.listeners import port_of
 
 LEG_MARK = ":link:"
 MARK = ":twisted_rightwards_arrows:"  # a spliced answer that was handed off
@@ -24,7 +25,7 @@ MARK = ":twisted_rightwards_arrows:"  # a spliced answer that was handed off
 def as_flow(exchange: Exchange, answer: http.HTTPFlow | None = None) -> http.HTTPFlow:
     """The exchange as an HTTP flow; a leg names the client flow of its answer."""
     url = urlsplit(exchange.server)
-    port = url.port or (443 if url.scheme == "https" else 80)
+    port = port_of(url)
     client = connection.Client(
         peername=("127.0.0.1", 0), sockname=("127.0.0.1", 0), timestamp_start=exchange.started
     )

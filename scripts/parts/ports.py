@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from watchers.listeners import find_listeners
+from watchers.listeners import find_listeners, port_of
 
 EVERY_ADDRESS = ("0.0.0.0", "::", "")
 
@@ -26,7 +26,7 @@ def address(text: str) -> tuple[str, int]:
 
 def server_address(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname or "", port_of(parts)
 
 
 def is_loopback(host: str) -> bool:
