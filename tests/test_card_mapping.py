@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.parts.summary import server_lines
 from scripts.testbed.memfiles import FakeCard, FakeProcess, add_listening_socket, drm_node
 from tests.listener import listening_process
 from watchers import gates
@@ -211,12 +212,21 @@ def test_a_mapping_made_before_fdinfo_has_read_is_looked_up_again_soon(
     cards = CardMap({}, lambda: gpu_pids([source]), proc, sysfs=sysfs)
     early = cards.mapping_of(URL)
     assert not early.settled and early.how != gates.DRM_FDINFO
+    assert early.status()["settled"] is False
     source.read()
     deadline = time.monotonic() + gates.SOON_SECONDS + 2
     while (mapping := cards.mapping_of(URL)).how != gates.DRM_FDINFO:
         assert time.monotonic() < deadline, mapping
         time.sleep(0.05)
-    assert mapping.cards == {"drm:card0"} and mapping.settled
+    assert mapping.cards == {"drm:card0"} and mapping.settled and mapping.status()["settled"]
+    # `spillover status` says which of the two a server's cards are.
+    said = [
+        server_lines({"routing": {"states": {URL: {"state": "ok"}}},
+                      "memory": {"servers": {URL: made.status()}}})[1]
+        for made in (early, mapping)
+    ]  # fmt: skip
+    assert "(a GPU source had not read yet: looked up again within a second)" in said[0]
+    assert "cards: drm:card0; 0 answers live" in said[1], said[1]
 
 
 def test_one_model_over_two_cards_is_found_on_both(roots: tuple[Path, Path]) -> None:

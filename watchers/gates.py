@@ -90,6 +90,7 @@ class Mapping:
             "how": self.how,
             "detail": self.detail,
             "pids": list(self.pids),
+            "settled": self.settled,
         }
 
 

@@ -72,7 +72,10 @@ def server_lines(status: dict[str, Any]) -> list[str]:
     for url, state in (routing.get("states") or {}).items():
         role = "fallback" if url in fallbacks else "primary"
         why = f" ({state['why']})" if state.get("why") else ""
-        cards = ", ".join((mapping.get(url) or {}).get("cards") or []) or "none known"
+        mapped = mapping.get(url) or {}
+        cards = ", ".join(mapped.get("cards") or []) or "none known"
+        if mapped.get("settled") is False:
+            cards += " (a GPU source had not read yet: looked up again within a second)"
         lines.append(
             f"  {url} ({role}): {state.get('state', '?')}{why}; {engine(infos.get(url) or {})}; "
             f"cards: {cards}; {live.get(url, 0)} answers live"
