@@ -8,8 +8,9 @@ mitmdump, the addon, the addon asking for token ids (a fallback with the same
 tokenizer: a second stand-in), plain mitmdump carrying the same chunks as that row (its
 client asks for the ids: what a longer chunk costs any proxy), and the addon over worker
 processes behind HAProxy (`--workers 2,4,8`: a row per count, where HAProxy is
-installed); `--api messages` streams Anthropic Messages events instead of chat chunks (no
-token-ids rows: the addon asks for ids on chat only). For each: events/s
+installed); `--api messages` streams Anthropic Messages events instead of chat chunks, and
+`--api responses` OpenAI Responses events (no token-ids rows: the addon asks for ids on
+chat only). For each: events/s
 delivered against asked, p50 and p99 latency (ms), what the route adds to direct's, and
 the proxy's CPU (its processes together, in cores, and in CPU seconds per 10,000 events
 delivered) and its memory per 1,000 open streams (its resident memory at its most while
@@ -17,7 +18,7 @@ the row streams, over idle), and when the last stream's first event came ("1st m
 after all were asked); then each route against plain mitmdump, as ratios.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
-        [--api chat|messages]
+        [--api chat|messages|responses]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
-PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 PLAIN_IDS = "plain, ids chunks"  # plain mitmdump, its client asking for the addon's ids
 
 
@@ -65,6 +66,9 @@ async def paced_streams(
         "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
         "messages": MESSAGES, "model": "bench",
     }  # fmt: skip
+    if api == "responses":
+        body = {**body, "input": MESSAGES[0]["content"], "max_output_tokens": body["max_tokens"]}
+        del body["messages"], body["max_tokens"]
     if ids:
         body = asking_for_ids(body)
     latencies: list[float] = []

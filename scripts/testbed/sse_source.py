@@ -6,6 +6,7 @@ CLOCK_MONOTONIC and so comparable across processes) for per-chunk latency.
     python -m scripts.testbed.sse_source PORT
     POST /v1/chat/completions {"max_tokens": N, "interval_ms": 0}   (0 = as fast as possible)
     POST /v1/messages {"max_tokens": N, "interval_ms": 0}   (the same, as Anthropic Messages events)
+    POST /v1/responses {"max_output_tokens": N, "interval_ms": 0}   (as OpenAI Responses events)
 
 Paced streams share one step clock: every open stream's next event is written at the same
 tick, back to back, as a GPU server writes a batch's tokens after each decode step.
@@ -102,6 +103,57 @@ def message_tail(count: int) -> bytes:
     )
 
 
+def responses_event(kind: str, payload: dict) -> bytes:
+    """An OpenAI Responses event as llama-server's Responses route writes it (its type
+    named on its `event:` line too)."""
+    data = json.dumps({"type": kind, **payload}, separators=(",", ":")).encode()
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+RESPONSE = {"id": "resp_bench", "object": "response", "status": "in_progress"}
+ITEM_ID = "msg_bench"
+ITEM = dict(content=[], id=ITEM_ID, role="assistant", status="in_progress", type="message")
+PART = {"type": "output_text", "text": ""}
+RESPONSES_HEAD = (
+    responses_event("response.created", {"response": RESPONSE})
+    + responses_event("response.in_progress", {"response": RESPONSE})
+    + responses_event("response.output_item.added", {"item": ITEM})
+    + responses_event("response.content_part.added", {"item_id": ITEM_ID, "part": PART})
+)
+
+
+def responses_delta(index: int) -> bytes:
+    """One token's text delta, as llama-server's Responses route writes it (plus the stamp)."""
+    return responses_event(
+        "response.output_text.delta",
+        {"item_id": ITEM_ID, "delta": f" w{index % 1000}", "sent_ns": time.perf_counter_ns()},
+    )
+
+
+def responses_tail(count: int) -> bytes:
+    """What llama-server writes once the answer is done: the text whole, its part, its
+    item, and the response completed with its usage."""
+    text = "".join(f" w{i % 1000}" for i in range(count))
+    part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+    item = {"type": "message", "status": "completed", "id": ITEM_ID, "content": [part],
+            "role": "assistant"}  # fmt: skip
+    usage = {"input_tokens": 3, "output_tokens": count, "total_tokens": count + 3,
+             "input_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    done = {**RESPONSE, "created_at": 1796000000, "status": "completed", "model": "bench",
+            "output": [item], "usage": usage}  # fmt: skip
+    return (
+        responses_event("response.output_text.done", {"item_id": ITEM_ID, "text": text})
+        + responses_event("response.content_part.done", {"item_id": ITEM_ID, "part": part})
+        + responses_event("response.output_item.done", {"item": item})
+        + responses_event("response.completed", {"response": done})
+    )
+
+
+HEADS = {"/v1/messages": MESSAGE_HEAD, "/v1/responses": RESPONSES_HEAD}
+DELTAS = {"/v1/messages": message_delta, "/v1/responses": responses_delta}
+TAILS = {"/v1/messages": message_tail, "/v1/responses": responses_tail}
+
+
 def framed(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -143,12 +195,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             timed = body.get("timings_per_token") is True
             served["streams"] += 1
             served["with_ids"] += ids
-            count = int(body.get("max_tokens", 1000))
+            count = int(body.get("max_tokens") or body.get("max_output_tokens") or 1000)
             interval = float(body.get("interval_ms", 0)) / 1000
             writer.write(HEAD)
-            if messages := path == "/v1/messages":
-                writer.write(framed(MESSAGE_HEAD))
-            event = message_delta if messages else functools.partial(chunk, ids=ids, timed=timed)
+            if path in HEADS:
+                writer.write(framed(HEADS[path]))
+            event = DELTAS.get(path) or functools.partial(chunk, ids=ids, timed=timed)
             if big := int(body.get("big_event_mib", 0)):
                 await send_big_event(writer, big)
             if interval:
@@ -165,8 +217,8 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                     # One HTTP chunk per event, as llama-server sends them.
                     writer.write(b"".join(framed(event(i)) for i in range(start, end)))
                     await writer.drain()
-            if messages:
-                tail = message_tail(count)
+            if path in TAILS:
+                tail = TAILS[path](count)
             else:
                 tail = chunk(count, finish="length") + b"data: [DONE]\n\n"
             writer.write(framed(tail) + b"0\r\n\r\n")
