@@ -8,6 +8,7 @@ import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,52 @@ def test_monitor_hands_off_on_a_step_written_to_the_tree(tmp_path: Path) -> None
         assert at - written < 0.5
         status = monitor.status()
         assert status["cards"]["drm:card0"]["fired"] == 1 and status["alive"]
+    finally:
+        monitor.stop()
+
+
+def test_a_slow_source_never_holds_up_what_the_event_loop_asks(tmp_path: Path) -> None:
+    """A driver call that hangs (NVML while a GPU falls off the bus), or a walk of /proc
+    for the servers' processes once who holds a card's memory has moved: while the
+    monitor thread waits on either, the event loop's questions (routing's judge, each
+    live answer's near, the status) are answered from the last readings at once. A real
+    sysfs tree, read through a source that waits first or names a new holder each time:
+    no real driver hangs, and no process list moves, on demand."""
+    FakeCard(tmp_path, "card0", total_mib=16384, used_mib=10000)
+    sysfs = SysfsVramSource(tmp_path)
+    slow_read, slow_owners, waiting = threading.Event(), threading.Event(), threading.Event()
+    holder = iter(range(1000, 2000))
+
+    class Stalling:
+        name = "stalling"
+
+        def read(self) -> list[Reading | CardFailure]:
+            if slow_read.is_set():
+                waiting.set()
+                time.sleep(1.0)
+            (found,) = sysfs.read()
+            assert isinstance(found, Reading)
+            return [replace(found, held=((next(holder), 100.0),))]
+
+    def own_pids() -> set[int]:
+        if slow_owners.is_set():
+            waiting.set()
+            time.sleep(1.0)
+        return set()
+
+    monitor = MemoryMonitor([Stalling()], lambda *a: None, LINES, own_pids=own_pids).start()
+    try:
+        for slow in (slow_read, slow_owners):
+            time.sleep(0.1)
+            waiting.clear()
+            slow.set()
+            assert waiting.wait(2)
+            asked = time.monotonic()
+            assert monitor.judge({"drm:card0"}, time.monotonic(), 0) is None
+            assert not monitor.near({"drm:card0"}, 1024)
+            assert monitor.status()["cards"]["drm:card0"]["used_mib"] == 10000
+            assert time.monotonic() - asked < 0.2, slow is slow_read
+            slow.clear()
     finally:
         monitor.stop()
 

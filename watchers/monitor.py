@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from watchers.pressure import CardState, Crossing, Lines
-from watchers.reading import CardFailure, Source
+from watchers.reading import CardFailure, Reading, Source
 
 log = logging.getLogger(__name__)
 OnPressure = Callable[[Crossing], None]
+Results = list[Reading | CardFailure] | Exception  # a source's readings, or why it failed
 OwnPids = Callable[[], set[int]]
 NEAR_MIB = 8192.0
 SLOW_FACTOR = 10
@@ -55,7 +56,8 @@ class MemoryMonitor:
         self.reported: set[str] = set()  # cards read in the last sample
         self._wake = _Wakeup()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the card states, as the event loop reads them
+        self._sampling = threading.Lock()  # one sample (or rescan) at a time
         self._thread = threading.Thread(target=self._run, name="spillover-memory", daemon=True)
 
     def start(self) -> MemoryMonitor:
@@ -87,62 +89,79 @@ class MemoryMonitor:
 
     def sample(self) -> None:
         fired: list[Crossing] = []
-        with self._lock:
-            self.samples += 1
-            self.reported = set()
-            own: set[int] | None = None  # asked once a reading says who holds memory
-            for source in self.sources:
-                try:
-                    results = source.read()
-                except Exception as exc:
-                    if self.source_errors.get(source.name) != repr(exc):
-                        log.warning("memory source %s failed: %r", source.name, exc)
-                    self.source_errors[source.name] = repr(exc)
-                    continue
-                self.source_errors.pop(source.name, None)
-                for result in results:
-                    self.reported.add(result.card)
-                    state = self.cards.setdefault(result.card, CardState(result.card))
-                    first = state.last is None
-                    if isinstance(result, CardFailure):
-                        state.fail(result.error)
-                    elif state.last is not None and result.time == state.last.time:
-                        # A source that reads at its own pace: nothing new. After a failed
-                        # read, what it still has counts again while it is fresh.
-                        fresh = time.monotonic() - result.time <= result.fresh_for(self.stale_after)
-                        if state.error is not None and fresh:
-                            state.error = None
-                    else:
-                        if (
-                            result.held is not None
-                            and state.last
-                            and result.held == state.last.held
-                        ):
-                            # Who holds what has not moved: neither has the servers' share
-                            # (their processes are looked up only where it may have).
-                            mine = state.own_mib
-                        else:
-                            if result.held is not None and own is None:
-                                own = self._own_pids()
-                            mine = None if own is None else result.held_by(own)
-                        if (crossing := state.observe(result, self.lines, mine)) is not None:
+        # The sources are read, and the servers' processes looked up, outside the lock the
+        # event loop takes (judge, near, status): a driver call or a /proc walk that takes
+        # long must never hold up routing or every live answer's pace check.
+        with self._sampling:
+            read: list[tuple[Source, Results]] = [(s, _read(s)) for s in self.sources]
+            own = self._own_pids() if self._owners_moved(read) else None
+            with self._lock:
+                self.samples += 1
+                self.reported = set()
+                for source, results in read:
+                    if isinstance(results, Exception):
+                        if self.source_errors.get(source.name) != repr(results):
+                            log.warning("memory source %s failed: %r", source.name, results)
+                        self.source_errors[source.name] = repr(results)
+                        continue
+                    self.source_errors.pop(source.name, None)
+                    for result in results:
+                        if (crossing := self._take(result, own)) is not None:
                             fired.append(crossing)
-                        elif state.rest_since == result.time and state.rest_how.startswith("held"):
-                            log.info("%s", self.at_rest(state))
-                    if first and state.last is not None:
-                        log.info("%s", self.at_rest(state))
-            now = time.monotonic()
-            for state in self.cards.values():
-                if state.last is None:
-                    continue
-                bound = state.last.fresh_for(self.stale_after)
-                if now - state.last.time > bound:
-                    age = now - state.last.time
-                    state.fail(f"stale: no reading for {age:.1f} s (fresh for {bound:g} s)")
-            self.next_wait = self._pace()
+                now = time.monotonic()
+                for state in self.cards.values():
+                    if state.last is None:
+                        continue
+                    bound = state.last.fresh_for(self.stale_after)
+                    if now - state.last.time > bound:
+                        age = now - state.last.time
+                        state.fail(f"stale: no reading for {age:.1f} s (fresh for {bound:g} s)")
+                self.next_wait = self._pace()
         for crossing in fired:
             log.warning("memory pressure on %s: %s", crossing.card, crossing.line)
             self.on_pressure(crossing)
+
+    def _owners_moved(self, read: list[tuple[Source, Results]]) -> bool:
+        """Whether a reading says who holds memory, and who holds what has moved since its
+        card's last reading: the servers' processes are then looked up (once a sample).
+        (The card states are the sampling thread's to change: read here without the lock.)"""
+        for _, results in read:
+            for result in () if isinstance(results, Exception) else results:
+                if isinstance(result, CardFailure) or result.held is None:
+                    continue
+                state = self.cards.get(result.card)
+                if state is None or state.last is None or result.held != state.last.held:
+                    return True
+        return False
+
+    def _take(self, result: Reading | CardFailure, own: set[int] | None) -> Crossing | None:
+        """One card's reading, into its state (under the lock); the crossing it confirms."""
+        self.reported.add(result.card)
+        state = self.cards.setdefault(result.card, CardState(result.card))
+        first = state.last is None
+        crossing = None
+        if isinstance(result, CardFailure):
+            state.fail(result.error)
+        elif state.last is not None and result.time == state.last.time:
+            # A source that reads at its own pace: nothing new. After a failed read, what
+            # it still has counts again while it is fresh.
+            fresh = time.monotonic() - result.time <= result.fresh_for(self.stale_after)
+            if state.error is not None and fresh:
+                state.error = None
+        else:
+            if result.held is not None and state.last and result.held == state.last.held:
+                # Who holds what has not moved: neither has the servers' share (their
+                # processes are looked up only where it may have).
+                mine = state.own_mib
+            else:
+                mine = None if own is None else result.held_by(own)
+            crossing = state.observe(result, self.lines, mine)
+            held_still = state.rest_since == result.time and state.rest_how.startswith("held")
+            if crossing is None and held_still:
+                log.info("%s", self.at_rest(state))
+        if first and state.last is not None:
+            log.info("%s", self.at_rest(state))
+        return crossing
 
     def _own_pids(self) -> set[int]:
         try:
@@ -162,13 +181,14 @@ class MemoryMonitor:
     def rescan(self) -> None:
         """Cards appeared, went or changed (hotplug): sources look again, and the state
         of every card that went, or whose name now means another card, is dropped."""
-        with self._lock:  # never while the monitor thread reads the same source
+        with self._sampling:  # never while the monitor thread reads the same source
             gone: set[str] = set()
             for source in self.sources:
                 if (rescan := getattr(source, "rescan", None)) is not None:
                     gone |= rescan() or set()
-            for card in gone:
-                self.cards.pop(card, None)
+            with self._lock:
+                for card in gone:
+                    self.cards.pop(card, None)
         self.sample()
         with self._lock:
             if not self.source_errors:
@@ -282,6 +302,13 @@ class MemoryMonitor:
             if last.held is None
             else [{"pid": pid, "mib": round(mib, 1)} for pid, mib in last.held],
         }
+
+
+def _read(source: Source) -> Results:
+    try:
+        return source.read()
+    except Exception as exc:  # reported in status; the other sources go on
+        return exc
 
 
 class _Wakeup:
