@@ -39,7 +39,7 @@ def mib(cell: str) -> float | None:
 
 def fires(total: float, used: list[float], rest_used: float | None = None) -> bool:
     """Whether these readings fire a card that was at rest with `rest_used` (half of it,
-    unless said) two seconds before them (past LATE_S: only they can make a step)."""
+    unless said) two seconds before them (past late_s: only they can make a step)."""
     state = CardState("c")
     rest = [total / 2 if rest_used is None else rest_used] * 3
     readings = [(i * STEP, u) for i, u in enumerate(rest)]

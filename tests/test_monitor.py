@@ -15,6 +15,7 @@ from scripts.testbed.memfiles import FakeCard, write_meminfo
 from tests.test_watchers import LINES
 from watchers.meminfo import MeminfoSource
 from watchers.monitor import CONFIRM_S, SLOW_FACTOR, MemoryMonitor
+from watchers.pressure import Crossing
 from watchers.reading import CardFailure, Reading
 from watchers.sysfs import SysfsVramSource
 
@@ -134,3 +135,20 @@ def test_the_monitor_samples_fast_only_near_a_line(tmp_path: Path) -> None:
     assert monitor.next_wait == CONFIRM_S
     monitor.sample()
     assert monitor.cards["drm:card0"].fired == 1
+
+
+def test_a_step_between_two_readings_at_the_slowest_pace_fires(tmp_path: Path) -> None:
+    """spillover_interval_ms=100: every card far from its lines is read once a second,
+    past the step window and the default late bound. A step between two such readings
+    (60 GiB taken from an 80 GiB card with 70 free) is still a step."""
+    card = FakeCard(tmp_path, "card0", total_mib=81920, used_mib=10000)
+    fired: list[Crossing] = []
+    monitor = MemoryMonitor([SysfsVramSource(tmp_path)], fired.append, LINES, interval=0.1)
+    monitor.sample()
+    assert monitor.next_wait == pytest.approx(0.1 * SLOW_FACTOR)
+    time.sleep(1.1)  # that pace, and a little late
+    card.set_used(70000)
+    monitor.sample()
+    monitor.sample()
+    (crossing,) = fired
+    assert "step +60,000 MiB" in crossing.line

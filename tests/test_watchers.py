@@ -150,7 +150,7 @@ def test_a_step_spread_over_two_samples_is_not_missed() -> None:
 def test_a_step_seen_by_a_late_monitor_still_fires() -> None:
     """The monitor fell behind (a busy proxy on a loaded machine): the step's reading came
     0.4 s after the one before, past the 0.25 s window. A climb that took longer than
-    LATE_S is no step."""
+    late_s (1 s by default) is no step."""
     state = CardState("c")
     assert state.observe(reading(10000, 0.0), LINES) is None
     assert state.observe(reading(15041, 0.4), LINES) is None  # awaiting confirmation

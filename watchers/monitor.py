@@ -18,6 +18,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from watchers.pressure import CardState, Crossing, Lines
 from watchers.reading import CardFailure, Reading, Source
@@ -46,7 +47,10 @@ class MemoryMonitor:
         self.sources = list(sources)
         self.own_pids = own_pids
         self.on_pressure = on_pressure
-        self.lines = lines or Lines()
+        # Two readings at its slowest pace, or late, still measure a step between them
+        # (a longer spillover_interval_ms would otherwise sample past the step window).
+        lines = lines or Lines()
+        self.lines = replace(lines, late_s=max(lines.late_s, 2 * interval * SLOW_FACTOR))
         self.interval = interval
         self.stale_after = stale_after
         self.cards: dict[str, CardState] = {}

@@ -23,7 +23,7 @@ card at once.
 
 A line must hold on two readings in a row (the monitor takes the second a few ms after
 the first), so one noisy reading never fires. A monitor that fell behind (readings
-further apart than `window_s`, up to LATE_S) measures a step from the reading before.
+further apart than `window_s`, up to `late_s`) measures a step from the reading before.
 While pressured, the lines count from what the card had free when it fired, so each
 further step fires again. A card that fired
 re-arms once it has `rearm_mib` more than its floor free, or three quarters of what was
@@ -43,7 +43,6 @@ FLOOR_MIN_MIB = 512.0
 FLOOR_MAX_MIB = 2048.0
 REST_SHARE = 0.5  # a card full at rest acts when this share of its free memory is taken
 BACK_SHARE = 0.75  # ... and is clear again once this share of what was taken is back
-LATE_S = 1.0  # a late monitor's reading before still measures a step this far back
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,9 @@ class Lines:
     rearm_mib: float = 1024
     window_s: float = 0.25
     settle_s: float = 30.0  # memory held still this long is the card's new rest
+    # A late monitor's reading before still measures a step this far back (the monitor
+    # stretches it past its own slowest pace: see MemoryMonitor).
+    late_s: float = 1.0
 
     @property
     def still_mib(self) -> float:
@@ -186,7 +188,7 @@ class CardState:
         # Readings far apart (a remote card's scrapes): the rise between the last ones.
         window = max(lines.window_s, 2 * (reading.fresh_s or 0.0))
         recent = [used for t, used in self.history if reading.time - t <= window]
-        if not recent and self.history and reading.time - self.history[-1][0] <= LATE_S:
+        if not recent and self.history and reading.time - self.history[-1][0] <= lines.late_s:
             # The monitor fell behind (a busy proxy, a loaded machine): the rise since the
             # reading before is all it saw of the step, and still one.
             recent = [self.history[-1][1]]
