@@ -156,7 +156,9 @@ def test_a_continuation_that_opens_like_the_answer_keeps_its_words(
     message: cut where the fallback's own next piece is how the answer began, that piece
     is the continuation's, not an echo to take out. Cuts are asked where that holds (the
     primary throttled); each is compared. The fallback's vocabulary is not the primary's,
-    so the answer goes as text."""
+    so the answer goes as text. A loaded machine's client can read the cut's chunk after
+    the throttled primary wrote one more, so cuts are asked until one lands there (at
+    most ATTEMPTS), each compared."""
     template = {t.stem: t for t in templates()}[NEMO]
     args = ["--jinja", "--chat-template-file", str(template), *SAME_BATCHES]
     first = start_server("primary", extra_args=args)
@@ -168,18 +170,22 @@ def test_a_continuation_that_opens_like_the_answer_keeps_its_words(
         for cut in range(6, LONGER - 10)
         if _opens_like(second, body, wrote[:cut])
     )
-    asked = list(islice(found, 2))
-    assert asked, "no cut where the fallback goes on as the answer began"
-    bitten = 0
-    for body, wrote, cut in asked:
+    asked = 0
+    for body, wrote, cut in islice(found, ATTEMPTS):
+        asked += 1
         stream = read_cut(proxy, body, [first], (cut + 1,), run_s=0.0003, period_s=0.03)
         assert_one_clean_stream(stream)
         said = stream.segment_tokens[0]
         assert "replayed as text" in stream.notes[0], stream.notes
         expected = own_continuation(second, body, wrote[:said], stream.notes[0], LONGER - said)
         assert stream.segments[1] == expected and expected
-        bitten += _opens_like(second, body, wrote[:said])
-    assert bitten, "no cut landed where the fallback goes on as the answer began"
+        if _opens_like(second, body, wrote[:said]):
+            return
+    assert asked, "no cut where the fallback goes on as the answer began"
+    raise AssertionError(f"none of {asked} cuts landed where the fallback goes on as it began")
+
+
+ATTEMPTS = 6
 
 
 LONGER = 80
