@@ -71,8 +71,9 @@ def chunk(index: int, finish: str | None = None, ids: bool = False, timed: bool 
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def message_event(kind: str, payload: dict) -> bytes:
-    """An Anthropic Messages event, its type named on its `event:` line too."""
+def named_event(kind: str, payload: dict) -> bytes:
+    """An event whose type is named on its `event:` line too, as llama-server writes
+    Anthropic Messages' and OpenAI Responses' events."""
     data = json.dumps({"type": kind, **payload}, separators=(",", ":")).encode()
     return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
@@ -80,7 +81,7 @@ def message_event(kind: str, payload: dict) -> bytes:
 def message_delta(index: int) -> bytes:
     """One token's text delta, as llama-server's Messages route writes it (plus the stamp)."""
     delta = {"type": "text_delta", "text": f" w{index % 1000}"}
-    return message_event(
+    return named_event(
         "content_block_delta", {"index": 0, "delta": delta, "sent_ns": time.perf_counter_ns()}
     )
 
@@ -89,7 +90,7 @@ MESSAGE = {
     "id": "msg_bench", "type": "message", "role": "assistant", "content": [], "model": "bench",
     "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 0},
 }  # fmt: skip
-MESSAGE_HEAD = message_event("message_start", {"message": MESSAGE}) + message_event(
+MESSAGE_HEAD = named_event("message_start", {"message": MESSAGE}) + named_event(
     "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
 )
 
@@ -97,17 +98,10 @@ MESSAGE_HEAD = message_event("message_start", {"message": MESSAGE}) + message_ev
 def message_tail(count: int) -> bytes:
     stop = {"stop_reason": "max_tokens", "stop_sequence": None}
     return (
-        message_event("content_block_stop", {"index": 0})
-        + message_event("message_delta", {"delta": stop, "usage": {"output_tokens": count}})
-        + message_event("message_stop", {})
+        named_event("content_block_stop", {"index": 0})
+        + named_event("message_delta", {"delta": stop, "usage": {"output_tokens": count}})
+        + named_event("message_stop", {})
     )
-
-
-def responses_event(kind: str, payload: dict) -> bytes:
-    """An OpenAI Responses event as llama-server's Responses route writes it (its type
-    named on its `event:` line too)."""
-    data = json.dumps({"type": kind, **payload}, separators=(",", ":")).encode()
-    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
 RESPONSE = {"id": "resp_bench", "object": "response", "status": "in_progress"}
@@ -115,16 +109,16 @@ ITEM_ID = "msg_bench"
 ITEM = dict(content=[], id=ITEM_ID, role="assistant", status="in_progress", type="message")
 PART = {"type": "output_text", "text": ""}
 RESPONSES_HEAD = (
-    responses_event("response.created", {"response": RESPONSE})
-    + responses_event("response.in_progress", {"response": RESPONSE})
-    + responses_event("response.output_item.added", {"item": ITEM})
-    + responses_event("response.content_part.added", {"item_id": ITEM_ID, "part": PART})
+    named_event("response.created", {"response": RESPONSE})
+    + named_event("response.in_progress", {"response": RESPONSE})
+    + named_event("response.output_item.added", {"item": ITEM})
+    + named_event("response.content_part.added", {"item_id": ITEM_ID, "part": PART})
 )
 
 
 def responses_delta(index: int) -> bytes:
     """One token's text delta, as llama-server's Responses route writes it (plus the stamp)."""
-    return responses_event(
+    return named_event(
         "response.output_text.delta",
         {"item_id": ITEM_ID, "delta": f" w{index % 1000}", "sent_ns": time.perf_counter_ns()},
     )
@@ -142,10 +136,10 @@ def responses_tail(count: int) -> bytes:
     done = {**RESPONSE, "created_at": 1796000000, "status": "completed", "model": "bench",
             "output": [item], "usage": usage}  # fmt: skip
     return (
-        responses_event("response.output_text.done", {"item_id": ITEM_ID, "text": text})
-        + responses_event("response.content_part.done", {"item_id": ITEM_ID, "part": part})
-        + responses_event("response.output_item.done", {"item": item})
-        + responses_event("response.completed", {"response": done})
+        named_event("response.output_text.done", {"item_id": ITEM_ID, "text": text})
+        + named_event("response.content_part.done", {"item_id": ITEM_ID, "part": part})
+        + named_event("response.output_item.done", {"item": item})
+        + named_event("response.completed", {"response": done})
     )
 
 
