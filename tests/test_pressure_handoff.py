@@ -180,26 +180,14 @@ def test_a_fallback_under_pressure_hands_off_again(
     # one not yet proven and take the other (seen under load: primary -> last).
     proxy.servers_known()
 
+    # The primary's card fills; once the answer runs on the fallback, its card fills too
+    # (each server held meanwhile: see taken_at).
+    first = taken_at(20, proxy, primary, lambda: card0.set_used(15041))
+    then = taken_at(20, proxy, fallback, lambda: card1.set_used(7800))
+
     def steps(n: int) -> None:
-        if n != 20:
-            return
-        card0.set_used(15041)
-        # Once the answer runs on the fallback, its card fills up too.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            live = httpx.get(proxy.url + "/spillover/status").json()["live"]
-            if live and live[0]["server"] == fallback.url:
-                break
-            time.sleep(0.005)
-        # Held while its card fills, so the fast fallback cannot finish the answer before
-        # the watcher has seen the step (two samples).
-        with held(fallback):
-            card1.set_used(7800)
-            while time.monotonic() < deadline + 5:
-                live = httpx.get(proxy.url + "/spillover/status").json()["live"]
-                if live and live[0]["server"] == last.url:
-                    break
-                time.sleep(0.005)
+        first(n)
+        then(n)
 
     stream = read_stream(proxy.url, chat_body(LONG), on_chunk=steps)
     assert_one_clean_stream(stream)
