@@ -129,14 +129,12 @@ class MemoryMonitor:
         """Whether a reading says who holds memory, and who holds what has moved since its
         card's last reading: the servers' processes are then looked up (once a sample).
         (The card states are the sampling thread's to change: read here without the lock.)"""
-        for _, results in read:
-            for result in () if isinstance(results, Exception) else results:
-                if isinstance(result, CardFailure) or result.held is None:
-                    continue
-                state = self.cards.get(result.card)
-                if state is None or state.last is None or result.held != state.last.held:
-                    return True
-        return False
+        cards = self.cards
+        return any(
+            not isinstance(result, CardFailure) and _holders_moved(cards.get(result.card), result)
+            for _, results in read
+            for result in (() if isinstance(results, Exception) else results)
+        )
 
     def _take(self, result: Reading | CardFailure, own: set[int] | None) -> Crossing | None:
         """One card's reading, into its state (under the lock); the crossing it confirms."""
@@ -153,12 +151,10 @@ class MemoryMonitor:
             if state.error is not None and fresh:
                 state.error = None
         else:
-            if result.held is not None and state.last and result.held == state.last.held:
-                # Who holds what has not moved: neither has the servers' share (their
-                # processes are looked up only where it may have).
-                mine = state.own_mib
-            else:
+            if _holders_moved(state, result):
                 mine = None if own is None else result.held_by(own)
+            else:  # neither has the servers' share (looked up only where it may have)
+                mine = None if result.held is None else state.own_mib
             crossing = state.observe(result, self.lines, mine)
             held_still = state.rest_since == result.time and state.rest_how.startswith("held")
             if crossing is None and held_still:
@@ -306,6 +302,14 @@ class MemoryMonitor:
             if last.held is None
             else [{"pid": pid, "mib": round(mib, 1)} for pid, mib in last.held],
         }
+
+
+def _holders_moved(state: CardState | None, result: Reading) -> bool:
+    """Whether the reading says who holds the card's memory, and that has moved since
+    the card's last reading (or there is none)."""
+    if result.held is None:
+        return False
+    return state is None or state.last is None or result.held != state.last.held
 
 
 def _read(source: Source) -> Results:
