@@ -18,10 +18,12 @@ the row streams, over idle), and when the last stream's first event came ("1st m
 after all were asked); then each route against plain mitmdump, as ratios. The p99 counts
 the start too: every stream starts at once, and their first events wait on the others'
 starts, so "p99 4th+" is the p99 of each stream's events from its fourth on, the pace
-the answers go on at.
+the answers go on at. `--rounds N` measures every row N times, one round after
+another, and gives each ratio as every round did: one run's CPU ratio moves by about
+10 % either way, and a latency target is met in so many rounds of N.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
-        [--api chat|messages|responses]
+        [--api chat|messages|responses] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -176,24 +178,35 @@ def report(rows: dict[tuple[int, str], Row], counts: list[int], names: list[str]
             f"{p50:8.2f} {p99:8.2f} {p50 - direct[2]:8.2f} {p99 - direct[3]:8.2f} {cores:8.2f} "
             f"{cpu:8.3f} {mib:8.1f} {first:8.0f} {going:8.2f}"
         )
+    return lines + ratio_lines([rows], counts, names)
+
+
+def ratios(rows: dict[tuple[int, str], Row], streams: int, name: str) -> dict[str, float]:
+    """A route against plain mitmdump (PLAIN_IDS: the ids row against it, by CPU)."""
+    plain = rows[streams, "plain mitmdump"]
+    if name == PLAIN_IDS:
+        same, row = rows[streams, PLAIN_IDS], rows[streams, "addon, ids"]
+        return {"CPU per event": row[5] / same[5], "plain's own carrying them": same[5] / plain[5]}
+    row = rows[streams, name]
+    return {
+        "delivered": row[1] / plain[1], "p50": row[2] / plain[2], "p99": row[3] / plain[3],
+        "p99 4th+": row[8] / plain[8], "CPU per event": row[5] / plain[5],
+    }  # fmt: skip
+
+
+def ratio_lines(
+    rounds: list[dict[tuple[int, str], Row]], counts: list[int], names: list[str]
+) -> list[str]:
+    """Each route against plain mitmdump, each ratio as every round gave it."""
+    lines = []
     for streams in counts:
-        plain = rows[streams, "plain mitmdump"]
         for name in names[2:]:
-            if name == PLAIN_IDS:
-                continue
-            row = rows[streams, name]
-            lines.append(
-                f"{streams} streams, {name} / plain mitmdump: delivered {row[1] / plain[1]:.2f}x, "
-                f"p50 {row[2] / plain[2]:.2f}x, p99 {row[3] / plain[3]:.2f}x "
-                f"(4th event on {row[8] / plain[8]:.2f}x), CPU per event {row[5] / plain[5]:.2f}x"
+            over = f"addon, ids / {PLAIN_IDS}" if name == PLAIN_IDS else f"{name} / plain mitmdump"
+            each = [ratios(rows, streams, name) for rows in rounds]
+            said = ", ".join(
+                f"{key} " + " ".join(f"{r[key]:.2f}" for r in each) + "x" for key in each[0]
             )
-        if PLAIN_IDS in names:
-            same, row = rows[streams, PLAIN_IDS], rows[streams, "addon, ids"]
-            lines.append(
-                f"{streams} streams, addon, ids / {PLAIN_IDS}: CPU per event "
-                f"{row[5] / same[5]:.2f}x (plain mitmdump's own, carrying them: "
-                f"{same[5] / plain[5]:.2f}x)"
-            )
+            lines.append(f"{streams} streams, {over}: {said}")
     return lines
 
 
@@ -208,6 +221,9 @@ def main() -> None:
     )
     parser.add_argument("--no-ids", action="store_true", help="leave out the 'addon, ids' row")
     parser.add_argument("--api", choices=list(PATHS), default="chat", help="the API streamed")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="every row measured this many times, in turn"
+    )
     args = parser.parse_args()
     counts = [16, 64] if args.quick else [int(n) for n in args.streams.split(",")]
     seconds = 3 if args.quick else args.seconds
@@ -221,24 +237,39 @@ def main() -> None:
         work = Path(tmp)
         source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
         with running(source, twin):
-            rows: dict[tuple[int, str], Row] = {}
-            for name in names:
-                with route(name, source, twin, work) as (port, pids):
-                    before = served(source)["with_ids"]
-                    for streams in counts:
-                        rows[streams, name] = measure(
-                            port, pids, streams, args.rate, seconds, args.api, name == PLAIN_IDS
-                        )
-                    asked_ids = served(source)["with_ids"] > before
-                    if asked_ids != (name in ("addon, ids", PLAIN_IDS)):
-                        raise RuntimeError(
-                            f"row {name!r} did not take its path (token ids: {asked_ids})"
-                        )
+            rounds = [measure_rows(names, counts, source, twin, work, args, seconds)]
+            for _ in range(args.rounds - 1):
+                rounds.append(measure_rows(names, counts, source, twin, work, args, seconds))
     print(
         f"{args.api}: {args.rate} events/s per stream, {seconds:g} s per row, "
         f"{os.cpu_count()} cores shared"
     )
-    print("\n".join(report(rows, counts, names)))
+    for number, rows in enumerate(rounds, 1):
+        if len(rounds) > 1:
+            print(f"round {number} of {len(rounds)}:")
+        print("\n".join(report(rows, counts, names)))
+    if len(rounds) > 1:
+        print(f"every round, in order ({len(rounds)}):")
+        print("\n".join(ratio_lines(rounds, counts, names)))
+
+
+def measure_rows(
+    names: list[str], counts: list[int], source: SseSource, twin: SseSource, work: Path,
+    args: argparse.Namespace, seconds: float,
+) -> dict[tuple[int, str], Row]:  # fmt: skip
+    """One round: every route's rows, one route after another."""
+    rows: dict[tuple[int, str], Row] = {}
+    for name in names:
+        with route(name, source, twin, work) as (port, pids):
+            before = served(source)["with_ids"]
+            for streams in counts:
+                rows[streams, name] = measure(
+                    port, pids, streams, args.rate, seconds, args.api, name == PLAIN_IDS
+                )
+            asked_ids = served(source)["with_ids"] > before
+            if asked_ids != (name in ("addon, ids", PLAIN_IDS)):
+                raise RuntimeError(f"row {name!r} did not take its path (token ids: {asked_ids})")
+    return rows
 
 
 if __name__ == "__main__":
