@@ -12,6 +12,8 @@ import httpx
 
 from addon.answer.ladder import Ladder
 from addon.servers.upstream import Upstream
+from scripts.bench.splice import SseSource
+from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
@@ -21,8 +23,13 @@ from tests.test_splice import held
 CONTROL = httpx.Client()
 
 
+def routing_of(proxy, url: str) -> dict:
+    """What the proxy's status says of a server's routing: its state, why, and more."""
+    return CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]["states"][url]
+
+
 def state_of(proxy, url: str) -> str:
-    return CONTROL.get(f"{proxy.url}/spillover/status").json()["routing"]["states"][url]["state"]
+    return routing_of(proxy, url)["state"]
 
 
 def wait_for(proxy, url: str, state: str, timeout: float = 10) -> None:
@@ -245,3 +252,48 @@ def test_the_ladder_passes_over_pressured_servers_unless_all_else_failed() -> No
     assert ladder.after_failure() == 0  # back up to the primary first...
     ladder.at = 0
     assert ladder.after_failure() == 1  # ...and the pressured one only when it failed too
+
+
+def test_a_server_slow_to_answer_health_while_it_streams_is_busy_not_down(
+    start_proxy, tmp_path: Path
+) -> None:
+    """vLLM answers /health on the event loop its streams keep busy, so under load it is
+    seconds late (vllm-project/vllm#38157 saw 30-40 s). A server that wrote to a live
+    answer while its /health went unanswered is busy, not hung: it stays up and takes
+    new requests; the same silence with nothing streaming from it is taken as a hang, as
+    before. Stand-in upstreams (scripts/testbed/sse_source.py): no real server is slow
+    to answer /health on demand."""
+    first, second = SseSource(log_dir=tmp_path), SseSource(log_dir=tmp_path)
+    with running(first, second):
+        proxy = start_proxy(first.url, [second.url])
+
+        def slow(seconds: float) -> None:
+            CONTROL.post(f"{first.url}/bench/health-delay", json={"seconds": seconds})
+
+        def meanwhile(n: int) -> None:
+            if n != 2:
+                return
+            slow(3)
+            deadline = time.monotonic() + 10  # until a /health has timed out and been judged
+            while "health" not in (seen := routing_of(proxy, first.url)) and seen["state"] == "ok":
+                assert time.monotonic() < deadline, "no /health timed out while it streamed"
+                time.sleep(0.05)
+            assert seen["state"] == "ok" and seen["health"] == "slow while it streams", seen
+            another = read_stream(proxy.url, STANDIN_BODY)
+            assert another.done == 1 and not another.errors and len(another.chunks) == 4
+            assert another.notes == [], "a new request started elsewhere"
+
+        stream = read_stream(proxy.url, {**STANDIN_BODY, "max_tokens": 400}, on_chunk=meanwhile)
+        assert stream.done == 1 and not stream.errors and len(stream.chunks) == 401
+        assert stream.notes == []
+        wait_for(proxy, first.url, "down")  # nothing streams from it now: hung, as before
+        assert "/health: ReadTimeout" in str(CONTROL.get(f"{proxy.url}/spillover/status").json())
+        slow(0)
+        wait_for(proxy, first.url, "ok")
+
+
+# A stand-in's answer at a decode step's pace (25 ms a token): 3 tokens unless longer.
+STANDIN_BODY = {
+    "stream": True, "max_tokens": 3, "interval_ms": 25,
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+}  # fmt: skip

@@ -130,6 +130,7 @@ class Pace:
         self.started = started
         self.first: float | None = None  # when the first event came
         self.last = started  # when the last bytes came
+        self.heard = 0.0  # the same, 0.0 until the first bytes came
         self.events = 0
         self.asking: asyncio.Future[None] | None = None  # is it still reading? (being asked)
         # Told the first event came, this long after the leg started.
@@ -137,7 +138,7 @@ class Pace:
         self._samples: deque[tuple[float, int]] = deque()
 
     def saw(self, now: float, events: int = 0) -> None:
-        self.last = now
+        self.last = self.heard = now
         if events:
             if self.first is None:
                 self.first = now

@@ -207,6 +207,13 @@ class Splice:
         self._pending = (reason, kind, decided, target)
         self._leg_task.cancel()
 
+    @property
+    def heard(self) -> float:
+        """When bytes last came from its current server (time.monotonic()); 0.0 before
+        any came, or where the leg's pace is not kept."""
+        pace = self._legs.pace
+        return pace.heard if pace is not None else 0.0
+
     def check_pace(self, now: float) -> None:
         """Leave a leg that stalled (like a failed one) or slowed far below its own pace
         (like an asked-for handoff: it stays if no other server has room); end one that

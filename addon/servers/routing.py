@@ -58,6 +58,13 @@ class Router:
         # connections or answered 5xx since the time given): what it took of its cards
         # while loading is its own (the memory watcher re-bases them).
         self.came_up: Callable[[str, float], None] = lambda _url, _since: None
+        # When bytes last came from a server to a live answer (time.monotonic(); 0.0 when
+        # none is streaming from it): a server whose /health is slow while it streams is
+        # busy, not hung. vLLM answers /health on the event loop its streams keep busy
+        # (seconds late under load), and a busy server marked down would leave its model
+        # unused for new requests.
+        self.heard: Callable[[str], float] = lambda _url: 0.0
+        self.slow_health: set[str] = set()  # servers whose /health is slow as they stream
         self.down: dict[str, Down] = {}
         self.busy: dict[str, tuple[str, float]] = {}  # server -> (why, until)
         self.refusals: dict[str, int] = {}  # requests refused before their first byte, by kind
@@ -140,12 +147,22 @@ class Router:
             return False
 
     async def _check(self, url: str, client: httpx.AsyncClient) -> None:
+        asked = time.monotonic()
         try:
             status = (await client.get(f"{url}/health")).status_code
+        except httpx.TimeoutException as exc:
+            if self.heard(url) >= asked:  # it wrote to an answer meanwhile: busy, not hung
+                if url not in self.slow_health:
+                    log.info("%s is slow to answer /health while it streams: busy, not down", url)
+                    self.slow_health.add(url)
+                return
+            self.mark_down(url, f"/health: {type(exc).__name__}")
+            return
         except httpx.HTTPError as exc:
             loading = isinstance(exc, httpx.ConnectError)  # not listening (yet)
             self.mark_down(url, f"/health: {type(exc).__name__}", loading)
             return
+        self.slow_health.discard(url)
         if status >= 500:
             self.mark_down(url, f"/health: HTTP {status}", loading=True)
         elif url in self.down:
@@ -161,6 +178,8 @@ class Router:
         for url in urls:
             state, why = self.state(url)
             states[url] = {"state": state, "why": why}
+            if url in self.slow_health:
+                states[url]["health"] = "slow while it streams"
             if (down := self.down.get(url)) is not None:
                 states[url]["for_s"] = round(now - down.since, 1)
         return states

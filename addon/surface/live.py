@@ -86,6 +86,12 @@ class LiveAnswers:
             if servers is None or live.splice.current.url in servers
         ]
 
+    def heard(self, server: str) -> float:
+        """When bytes last came from `server` to any live answer (time.monotonic()); 0.0
+        when none did."""
+        splices = (live.splice for live in self.by_flow.values())
+        return max((s.heard for s in splices if s.current.url == server), default=0.0)
+
     def hand_off(
         self, flow_ids: Iterable[str], reason: str, kind: str, sensed: Sensed | None = None
     ) -> list[asyncio.Future[bool]]:

@@ -55,6 +55,7 @@ class Spillover:
         self.endpoint = SpliceEndpoint()
         self.live = LiveAnswers(self.endpoint)
         self.fleet = Fleet(on_question=self._show_question)
+        self.fleet.router.heard = self.live.heard
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pace_watch: asyncio.Future[None] | None = None
         self._health_watch: asyncio.Future[None] | None = None

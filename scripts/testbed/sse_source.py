@@ -20,6 +20,8 @@ answers the questions the addon asks a server at start (/props, /v1/models, /tok
 /apply-template),
 and `GET /bench/requests` says how many streams it served and how many of them asked for
 token ids (so a benchmark can check that each of its rows takes the path it names).
+`POST /bench/health-delay {"seconds": S}` makes `GET /health` answer S seconds late, as
+vLLM's does when the event loop it shares with its streams is busy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BATCH = 64  # events per socket write when unpaced
 served = {"streams": 0, "with_ids": 0}
+health_delay = {"seconds": 0.0}
 
 
 ABOUT = {
@@ -182,6 +185,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 prompt = "".join(str(m.get("content")) for m in body.get("messages") or [])
                 respond(writer, {"prompt": prompt})
                 continue
+            if path == "/bench/health-delay":
+                health_delay["seconds"] = float(body["seconds"])
+                respond(writer, health_delay)
+                continue
+            if path == "/health":
+                await asyncio.sleep(health_delay["seconds"])
             if path in ABOUT or head.startswith(b"GET"):
                 respond(writer, served if path == "/bench/requests" else ABOUT.get(path, "ok"))
                 continue
