@@ -116,7 +116,8 @@ class Spillover:
         loader.add_option(
             "spillover_health_s", int, 1,
             "Ask each server's /health this often (seconds); one that fails is down and gets "
-            "no new request until it answers again. 0: never ask.",
+            "no new request until it answers again (one that times out while the server "
+            "writes to a live answer is a busy server's, not a failure). 0: never ask.",
         )  # fmt: skip
         loader.add_option(
             "spillover_hand_back", bool, False,
