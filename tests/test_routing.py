@@ -12,7 +12,7 @@ import httpx
 
 from addon.answer.ladder import Ladder
 from addon.servers.upstream import Upstream
-from scripts.bench.splice import SseSource
+from scripts.bench.splice import MESSAGES, SseSource
 from scripts.parts.processes import running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
@@ -287,7 +287,8 @@ def test_a_server_slow_to_answer_health_while_it_streams_is_busy_not_down(
         assert stream.done == 1 and not stream.errors and len(stream.chunks) == 401
         assert stream.notes == []
         wait_for(proxy, first.url, "down")  # nothing streams from it now: hung, as before
-        assert "/health: ReadTimeout" in str(CONTROL.get(f"{proxy.url}/spillover/status").json())
+        said = routing_of(proxy, first.url)
+        assert said["why"] == "/health: ReadTimeout" and "health" not in said, said
         slow(0)
         wait_for(proxy, first.url, "ok")
 
@@ -295,5 +296,5 @@ def test_a_server_slow_to_answer_health_while_it_streams_is_busy_not_down(
 # A stand-in's answer at a decode step's pace (25 ms a token): 3 tokens unless longer.
 STANDIN_BODY = {
     "stream": True, "max_tokens": 3, "interval_ms": 25,
-    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "messages": MESSAGES,
 }  # fmt: skip

@@ -117,6 +117,7 @@ class Router:
         self.refusals[kind] = self.refusals.get(kind, 0) + 1
 
     def mark_down(self, url: str, why: str, loading: bool = False) -> None:
+        self.slow_health.discard(url)  # down is no busy server's slowness
         if url not in self.down:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
             self.down[url] = Down(why, time.monotonic())
