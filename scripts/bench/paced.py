@@ -237,9 +237,10 @@ def main() -> None:
         work = Path(tmp)
         source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
         with running(source, twin):
-            rounds = [measure_rows(names, counts, source, twin, work, args, seconds)]
-            for _ in range(args.rounds - 1):
-                rounds.append(measure_rows(names, counts, source, twin, work, args, seconds))
+            rounds = [
+                measure_rows(names, counts, source, twin, work, args, seconds)
+                for _ in range(max(1, args.rounds))
+            ]
     print(
         f"{args.api}: {args.rate} events/s per stream, {seconds:g} s per row, "
         f"{os.cpu_count()} cores shared"
