@@ -5,12 +5,14 @@ readings from a sysfs tree of real files."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import httpx
 
 from addon.answer.ladder import Ladder
+from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
 from scripts.bench.splice import MESSAGES, SseSource
 from scripts.parts.processes import running
@@ -267,17 +269,11 @@ def test_a_server_slow_to_answer_health_while_it_streams_is_busy_not_down(
     with running(first, second):
         proxy = start_proxy(first.url, [second.url])
 
-        def slow(seconds: float) -> None:
-            CONTROL.post(f"{first.url}/bench/health-delay", json={"seconds": seconds})
-
         def meanwhile(n: int) -> None:
             if n != 2:
                 return
-            slow(3)
-            deadline = time.monotonic() + 10  # until a /health has timed out and been judged
-            while "health" not in (seen := routing_of(proxy, first.url)) and seen["state"] == "ok":
-                assert time.monotonic() < deadline, "no /health timed out while it streamed"
-                time.sleep(0.05)
+            late_health(first, 3)
+            seen = judged_health(proxy, first.url)
             assert seen["state"] == "ok" and seen["health"] == "slow while it streams", seen
             another = read_stream(proxy.url, STANDIN_BODY)
             assert another.done == 1 and not another.errors and len(another.chunks) == 4
@@ -289,8 +285,75 @@ def test_a_server_slow_to_answer_health_while_it_streams_is_busy_not_down(
         wait_for(proxy, first.url, "down")  # nothing streams from it now: hung, as before
         said = routing_of(proxy, first.url)
         assert said["why"] == "/health: ReadTimeout" and "health" not in said, said
-        slow(0)
+        late_health(first, 0)
         wait_for(proxy, first.url, "ok")
+
+
+def test_a_server_slow_to_answer_health_while_its_processes_work_is_busy_not_down(
+    start_proxy, tmp_path: Path
+) -> None:
+    """Loaded by other clients, with nothing streaming through this proxy, vLLM's /health
+    is as late: the CPU the processes holding its port use tell a loaded server from a
+    hung one. Stand-in upstreams: no real server holds its event loop on demand."""
+    first, second = SseSource(log_dir=tmp_path), SseSource(log_dir=tmp_path)
+    with running(first, second):
+        proxy = start_proxy(first.url, [second.url])
+        wait_for(proxy, first.url, "ok")
+        late_health(first, 2, busy=True)  # its event loop held, working, as a loaded one's
+        seen = judged_health(proxy, first.url)
+        assert seen["state"] == "ok" and seen["health"] == "slow while its processes work"
+        late_health(first, 2, busy=False)  # waiting, not working: as a hung one's
+        wait_for(proxy, first.url, "down")
+        said = routing_of(proxy, first.url)
+        assert said["why"] == "/health: ReadTimeout" and "health" not in said, said
+        late_health(first, 0)
+        wait_for(proxy, first.url, "ok")
+
+
+def test_a_server_whose_health_goes_unanswered_past_the_limit_is_down(tmp_path: Path) -> None:
+    """However busy its processes, a /health unanswered for SLOW_HEALTH_LIMIT_S is a
+    down server's: a new request would wait as long to start. The router alone, in this
+    process (with a limit of one second); a stand-in upstream, as above."""
+    first = SseSource(log_dir=tmp_path)
+    with running(first):
+        late_health(first, 2, busy=True)
+        router = Router()
+        router.slow_limit_s = 1.0
+        seen: list[tuple[str, str | None]] = []
+
+        async def watch() -> None:
+            task = asyncio.create_task(router.watch_health(lambda: [first.url], 0.1))
+            deadline = time.monotonic() + 20
+            try:
+                while (state := router.state(first.url))[0] != "down":
+                    assert time.monotonic() < deadline, f"never down: {seen}"
+                    if first.url in router.slow_health and state not in seen:
+                        seen.append(state)
+                    await asyncio.sleep(0.02)
+            finally:
+                task.cancel()
+
+        asyncio.run(watch())
+        assert seen == [("ok", None)], "it was busy, not down, before the limit"
+        assert router.state(first.url) == ("down", "/health: ReadTimeout")
+        late_health(first, 0)
+
+
+def late_health(server: SseSource, seconds: float, busy: bool = False) -> None:
+    """The stand-in's /health answers `seconds` late, its event loop held working (busy)
+    or waiting. (The stand-in may be working through a late answer: it reads this after.)"""
+    CONTROL.post(
+        f"{server.url}/bench/health-delay", json={"seconds": seconds, "busy": busy}, timeout=30
+    )
+
+
+def judged_health(proxy, url: str) -> dict:
+    """The server's routing once a /health of its has timed out and been judged."""
+    deadline = time.monotonic() + 10
+    while "health" not in (seen := routing_of(proxy, url)) and seen["state"] == "ok":
+        assert time.monotonic() < deadline, "no /health timed out"
+        time.sleep(0.05)
+    return seen
 
 
 # A stand-in's answer at a decode step's pace (25 ms a token): 3 tokens unless longer.

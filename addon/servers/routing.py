@@ -4,7 +4,9 @@
 - pressured: a card it uses is over a line, or fired and has not yet been clear for the
   dwell time (the memory watcher says so);
 - down: it refused a connection, died mid-answer or stalled, or its `GET /health` (asked
-  every second) failed; back as soon as /health answers;
+  every second) failed; back as soon as /health answers. A /health that times out while
+  the server streams to a live answer, or while its processes here keep a core busy, is
+  a loaded server's, for up to a minute;
 - busy: it refused a request for now (408, 429, 503: servers/refusals.py); it gets no
   new request for its Retry-After;
 - draining: a person asked (`spillover.drain`); it gets no new request;
@@ -30,9 +32,16 @@ from typing import Any
 import httpx
 
 from addon.servers.upstream import Upstream
+from watchers.cputime import ServerProcesses
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.0
+# A /health that times out is looked at again: the CPU its server's processes use over
+# this window says whether it is working or waiting.
+WORKING_WINDOW_S = 0.5
+# A server whose /health has gone unanswered this long is down, however busy: a new
+# request would wait about as long to start.
+SLOW_HEALTH_LIMIT_S = 60.0
 # A server in these states takes answers as usual (ok preferred): a primary in them keeps
 # new requests, and a 5xx of its is asked again.
 CALM = ("ok", "unknown")
@@ -59,12 +68,15 @@ class Router:
         # while loading is its own (the memory watcher re-bases them).
         self.came_up: Callable[[str, float], None] = lambda _url, _since: None
         # When bytes last came from a server to a live answer (time.monotonic(); 0.0 when
-        # none is streaming from it): a server whose /health is slow while it streams is
-        # busy, not hung. vLLM answers /health on the event loop its streams keep busy
-        # (seconds late under load), and a busy server marked down would leave its model
-        # unused for new requests.
+        # none is streaming from it). A server whose /health times out while it streams,
+        # or while its processes here keep a core busy, is loaded, not hung: vLLM answers
+        # /health on the event loop its requests keep busy (seconds late under load), and
+        # a busy server marked down would leave its model unused for new requests.
         self.heard: Callable[[str], float] = lambda _url: 0.0
-        self.slow_health: set[str] = set()  # servers whose /health is slow as they stream
+        self.processes = ServerProcesses()
+        self.slow_health: dict[str, str] = {}  # server -> while what its /health is slow
+        self.unanswered_since: dict[str, float] = {}  # /health timed out since, in a row
+        self.slow_limit_s = SLOW_HEALTH_LIMIT_S
         self.down: dict[str, Down] = {}
         self.busy: dict[str, tuple[str, float]] = {}  # server -> (why, until)
         self.refusals: dict[str, int] = {}  # requests refused before their first byte, by kind
@@ -117,7 +129,7 @@ class Router:
         self.refusals[kind] = self.refusals.get(kind, 0) + 1
 
     def mark_down(self, url: str, why: str, loading: bool = False) -> None:
-        self.slow_health.discard(url)  # down is no busy server's slowness
+        self.slow_health.pop(url, None)  # down is no busy server's slowness
         if url not in self.down:
             log.info("%s is down (%s): new requests start elsewhere until it answers", url, why)
             self.down[url] = Down(why, time.monotonic())
@@ -152,18 +164,23 @@ class Router:
         try:
             status = (await client.get(f"{url}/health")).status_code
         except httpx.TimeoutException as exc:
-            if self.heard(url) >= asked:  # it wrote to an answer meanwhile: busy, not hung
-                if url not in self.slow_health:
-                    log.info("%s is slow to answer /health while it streams: busy, not down", url)
-                    self.slow_health.add(url)
+            since = self.unanswered_since.setdefault(url, asked)
+            if url in self.down:
+                return  # down until it answers
+            if (busy := await self._busy(url, asked, since)) is not None:
+                if self.slow_health.get(url) != busy:
+                    log.info("%s is slow to answer /health %s: busy, not down", url, busy)
+                    self.slow_health[url] = busy
                 return
             self.mark_down(url, f"/health: {type(exc).__name__}")
             return
         except httpx.HTTPError as exc:
+            self.unanswered_since.pop(url, None)
             loading = isinstance(exc, httpx.ConnectError)  # not listening (yet)
             self.mark_down(url, f"/health: {type(exc).__name__}", loading)
             return
-        self.slow_health.discard(url)
+        self.unanswered_since.pop(url, None)
+        self.slow_health.pop(url, None)
         if status >= 500:
             self.mark_down(url, f"/health: HTTP {status}", loading=True)
         elif url in self.down:
@@ -173,14 +190,25 @@ class Router:
                 self.came_up(url, down.since)
             self.on_back(url)
 
+    async def _busy(self, url: str, asked: float, since: float) -> str | None:
+        """Why a server whose /health timed out is busy rather than hung (None: nothing
+        says so): it wrote to a live answer through this proxy after the check was asked,
+        or the processes that hold its port on this machine keep using CPU."""
+        if asked - since >= self.slow_limit_s:
+            return None
+        if self.heard(url) >= asked:
+            return "while it streams"
+        working = await asyncio.to_thread(self.processes.working, url, WORKING_WINDOW_S)
+        return "while its processes work" if working else None
+
     def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
         states: dict[str, dict[str, Any]] = {}
         for url in urls:
             state, why = self.state(url)
             states[url] = {"state": state, "why": why}
-            if url in self.slow_health:
-                states[url]["health"] = "slow while it streams"
+            if (busy := self.slow_health.get(url)) is not None:
+                states[url]["health"] = f"slow {busy}"
             if (down := self.down.get(url)) is not None:
                 states[url]["for_s"] = round(now - down.since, 1)
         return states

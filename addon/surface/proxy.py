@@ -117,7 +117,8 @@ class Spillover:
             "spillover_health_s", int, 1,
             "Ask each server's /health this often (seconds); one that fails is down and gets "
             "no new request until it answers again (one that times out while the server "
-            "writes to a live answer is a busy server's, not a failure). 0: never ask.",
+            "writes to a live answer, or while its processes on this machine keep a core "
+            "busy, is a loaded server's, not a failure, for up to a minute). 0: never ask.",
         )  # fmt: skip
         loader.add_option(
             "spillover_hand_back", bool, False,

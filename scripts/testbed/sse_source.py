@@ -21,7 +21,8 @@ answers the questions the addon asks a server at start (/props, /v1/models, /tok
 and `GET /bench/requests` says how many streams it served and how many of them asked for
 token ids (so a benchmark can check that each of its rows takes the path it names).
 `POST /bench/health-delay {"seconds": S}` makes `GET /health` answer S seconds late, as
-vLLM's does when the event loop it shares with its streams is busy.
+vLLM's does when the event loop it shares with its streams is busy; with `"busy": true`
+it spends them working on that event loop, as a loaded vLLM's does, not waiting.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ import time
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 BATCH = 64  # events per socket write when unpaced
 served = {"streams": 0, "with_ids": 0}
-health_delay = {"seconds": 0.0}
+health_delay: dict[str, float | bool] = {"seconds": 0.0, "busy": False}
+
+
+async def late(seconds: float, busy: bool) -> None:
+    if not busy:
+        await asyncio.sleep(seconds)
+        return
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:  # the event loop held, as a loaded server's is
+        sum(range(1000))
 
 
 ABOUT = {
@@ -186,11 +196,11 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 respond(writer, {"prompt": prompt})
                 continue
             if path == "/bench/health-delay":
-                health_delay["seconds"] = float(body["seconds"])
+                health_delay.update(seconds=float(body["seconds"]), busy=bool(body.get("busy")))
                 respond(writer, health_delay)
                 continue
             if path == "/health":
-                await asyncio.sleep(health_delay["seconds"])
+                await late(float(health_delay["seconds"]), bool(health_delay["busy"]))
             if path in ABOUT or head.startswith(b"GET"):
                 respond(writer, served if path == "/bench/requests" else ABOUT.get(path, "ok"))
                 continue
