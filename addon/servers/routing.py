@@ -198,7 +198,11 @@ class Router:
             return None
         if self.heard(url) >= asked:
             return "while it streams"
-        working = await asyncio.to_thread(self.processes.working, url, WORKING_WINDOW_S)
+        try:
+            working = await asyncio.to_thread(self.processes.working, url, WORKING_WINDOW_S)
+        except Exception:  # not knowing is no reason to stop checking: a timeout, as before
+            log.exception("reading the CPU time of %s's processes failed", url)
+            return None
         return "while its processes work" if working else None
 
     def status(self, urls: list[str]) -> dict[str, dict[str, Any]]:
