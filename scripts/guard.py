@@ -31,11 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import resource
 import sys
 import time
 from pathlib import Path
 
+from addon.surface.openfiles import raise_open_files
 from scripts.parts.ports import address, is_loopback, listen_error
 from scripts.parts.processes import ManagedProcess
 
@@ -43,7 +43,6 @@ CANNOT_START = 78  # sysexits' EX_CONFIG
 CONNECT_TIMEOUT_S = 2.0
 READ_SIZE = 65536
 IDLE_S = 600.0  # longer than a long prompt's reading, when a stream is silent both ways
-SPARE_FDS = 64  # descriptors kept for the listener, health checks and the rest
 
 
 def health_request(token: str) -> bytes:
@@ -56,13 +55,7 @@ def health_request(token: str) -> bytes:
 def connection_limit() -> int:
     """How many relayed connections fit in the descriptors this process may open (two
     each), after raising its soft limit as far as the hard one allows."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-    return max(1, (soft - SPARE_FDS) // 2)
+    return max(1, raise_open_files().relayed)
 
 
 class Relayed:

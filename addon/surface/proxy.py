@@ -32,6 +32,7 @@ from addon.surface.listenqueue import listen_deeper
 from addon.surface.live import LiveAnswers
 from addon.surface.metrics import Metrics
 from addon.surface.mistakes import given_twice, refuse_at_start, unknown_options
+from addon.surface.openfiles import raise_for_answers
 from addon.surface.siblings import PEER, add_sibling_options
 from addon.surface.status import assemble_status
 
@@ -191,6 +192,7 @@ class Spillover:
         ctx.options.update(connection_strategy="lazy")
         if bodies_kept():
             ctx.options.update(store_streamed_bodies=True)
+        self.status_parts["open_files"] = raise_for_answers().status
         await self.endpoint.start()
         self.status_parts["splice_endpoint"] = self.endpoint.status
         if (server := ctx.master.addons.get("proxyserver")) is not None:
