@@ -8,8 +8,8 @@ addon looks at every live leg a few times a second.
 The wait for a leg's first event is learnt per server: from llama-server's own timing of
 its prompt readings where it gives them, else from how long each answer that passed took
 to its first event (`FirstEvents`, any engine). A server never measured gets
-`first_token_unmeasured_s`; a server past its wait that says it is still reading a prompt
-(`answer.stillreading`) gets as long again, up to `first_token_s` in all.
+`first_token_unmeasured_s`; a server past its wait that is still at work (its slots, or
+its token counts: `answer.stillreading`) gets as long again, up to `first_token_s` in all.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ def add_pace_options(loader: Any) -> None:
     loader.add_option(
         "spillover_first_token_unmeasured_s", int, 60,
         "The wait for the first event of a server whose speed was never measured (no "
-        "answer through the proxy yet); a llama-server still reading the prompt then "
-        "gets as long again, up to spillover_first_token_s.",
+        "answer through the proxy yet); a server still at work (llama-server's /slots, "
+        "or token counts in /metrics that move: vLLM's) then gets as long again, up to "
+        "spillover_first_token_s.",
     )  # fmt: skip
     loader.add_option(
         "spillover_first_token_floor_s", int, 10,
