@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from addon.servers.progress import progress_of
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
@@ -62,7 +63,12 @@ def running_long(url: str, answers: int) -> list[threading.Thread]:
     threads = [threading.Thread(target=ask) for _ in range(answers)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # in vLLM before the answer asked after them
+    deadline = time.monotonic() + 30  # both in vLLM before the answer asked after them
+    while (counts := progress_of(httpx.get(f"{url}/metrics").text)) is None or (
+        counts.running + counts.waiting < answers
+    ):
+        assert time.monotonic() < deadline, f"vLLM never had them: {counts}"
+        time.sleep(0.05)
     return threads
 
 
