@@ -21,7 +21,7 @@ from mitmproxy.exceptions import OptionsError
 from addon.servers.credentials import read_secret
 from addon.servers.urlchecks import url_mistake
 from scripts.parts.config import Config, with_config
-from scripts.parts.summary import card_now
+from scripts.parts.summary import card_now, state_why
 
 PALETTE = [
     ("title", "bold", ""),
@@ -58,7 +58,7 @@ def server_lines(status: dict[str, Any]) -> list[Any]:
     rows: list[Any] = []
     for url, state in (routing.get("states") or {}).items():
         name = state.get("state", "?")
-        why = f" ({state['why']})" if state.get("why") else ""
+        why = state_why(state)
         cards = ", ".join((mapping.get(url) or {}).get("cards") or []) or "-"
         rows.append(
             [f"  {url:28} ", (STATE_STYLE.get(name, "dim"), f"{name:10}"),

@@ -16,6 +16,7 @@ from addon.servers.routing import Router
 from addon.servers.upstream import Upstream
 from scripts.bench.splice import MESSAGES, SseSource
 from scripts.parts.processes import running
+from scripts.parts.summary import server_lines
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
@@ -302,6 +303,8 @@ def test_a_server_slow_to_answer_health_while_its_processes_work_is_busy_not_dow
         late_health(first, 2, busy=True)  # its event loop held, working, as a loaded one's
         seen = judged_health(proxy, first.url)
         assert seen["state"] == "ok" and seen["health"] == "slow while its processes work"
+        said = server_lines(proxy.status())[1]  # as `spillover status` says it
+        assert f"{first.url} (primary): ok (/health slow while its processes work);" in said
         late_health(first, 2, busy=False)  # waiting, not working: as a hung one's
         wait_for(proxy, first.url, "down")
         said = routing_of(proxy, first.url)

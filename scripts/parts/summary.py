@@ -71,7 +71,7 @@ def server_lines(status: dict[str, Any]) -> list[str]:
     lines = ["servers:"]
     for url, state in (routing.get("states") or {}).items():
         role = "fallback" if url in fallbacks else "primary"
-        why = f" ({state['why']})" if state.get("why") else ""
+        why = state_why(state)
         mapped = mapping.get(url) or {}
         cards = ", ".join(mapped.get("cards") or []) or "none known"
         if mapped.get("settled") is False:
@@ -81,6 +81,13 @@ def server_lines(status: dict[str, Any]) -> list[str]:
             f"cards: {cards}; {live.get(url, 0)} answers live"
         )
     return lines if len(lines) > 1 else ["servers: none known"]
+
+
+def state_why(state: dict[str, Any]) -> str:
+    """Why a server is in its state, and a /health slow for a loaded server's reason (it
+    stays up), in parentheses; nothing where neither is said."""
+    said = [state.get("why"), state.get("health") and f"/health {state['health']}"]
+    return f" ({'; '.join(s for s in said if s)})" if any(said) else ""
 
 
 def engine(info: dict[str, Any]) -> str:
