@@ -305,10 +305,13 @@ def test_a_server_slow_to_answer_health_while_its_processes_work_is_busy_not_dow
         assert seen["state"] == "ok" and seen["health"] == "slow while its processes work"
         said = server_lines(proxy.status())[1]  # as `spillover status` says it
         assert f"{first.url} (primary): ok (/health slow while its processes work);" in said
+        slow = f'{{server="{first.url}",why="while its processes work"}} 1.0'
+        assert f"spillover_server_health_slow{slow}" in metrics_of(proxy)
         late_health(first, 2, busy=False)  # waiting, not working: as a hung one's
         wait_for(proxy, first.url, "down")
         said = routing_of(proxy, first.url)
         assert said["why"] == "/health: ReadTimeout" and "health" not in said, said
+        assert "spillover_server_health_slow{" not in metrics_of(proxy)
         late_health(first, 0)
         wait_for(proxy, first.url, "ok")
 
@@ -348,6 +351,10 @@ def late_health(server: SseSource, seconds: float, busy: bool = False) -> None:
     CONTROL.post(
         f"{server.url}/bench/health-delay", json={"seconds": seconds, "busy": busy}, timeout=30
     )
+
+
+def metrics_of(proxy) -> str:
+    return CONTROL.get(f"{proxy.url}/spillover/metrics").text
 
 
 def judged_health(proxy, url: str) -> dict:

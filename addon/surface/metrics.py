@@ -125,9 +125,18 @@ class Metrics:
             "1 for each server's routing state now (ok, unknown, pressured, busy, down, draining).",
             labels=["server", "state"],
         )
+        slow = GaugeMetricFamily(
+            "spillover_server_health_slow",
+            "1 for a server whose /health times out while it is loaded (it stays up), with "
+            "what shows the load: 'while it streams' or 'while its processes work'.",
+            labels=["server", "why"],
+        )
         for server, state in (routing.get("states") or {}).items():
             now.add_metric([server, state["state"]], 1)
+            if (health := state.get("health")) is not None:
+                slow.add_metric([server, health.removeprefix("slow ")], 1)
         yield now
+        yield slow
 
     def _cards(self, status: dict[str, Any]):
         """This machine's cards, with the host they are on, so that another proxy reading
