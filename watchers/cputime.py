@@ -8,41 +8,33 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from watchers.gates import LOCAL_HOSTS
-from watchers.listeners import LIVE_PROC, find_listeners, port_of
+from watchers.listeners import LIVE_PROC, ListeningPids
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts CPU time in these
 # Of one core, over the window: a server that waits (a stopped one, a deadlock, timers
 # alone) uses next to nothing; a busy one's event loop uses most of a core.
 WORKING_SHARE = 0.1
-PIDS_FOR_S = 30.0  # who holds a port is looked up again after this (a walk of /proc)
+PIDS_FOR_S = 30.0  # who holds a port is looked up again after this
 
 
 class ServerProcesses:
     def __init__(self, proc: Path = LIVE_PROC) -> None:
         self._proc = proc
-        self._pids: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
+        self._listening = ListeningPids(PIDS_FOR_S, proc)
 
     def working(self, url: str, window_s: float) -> bool | None:
         """Whether the processes listening on `url`'s port used at least WORKING_SHARE of
         a core over the next `window_s` (it sleeps that long: call it off the event
         loop); None where that cannot be told: another machine's server, or no process
         that holds the port is ours to read."""
-        parts = urlsplit(url)
-        if parts.hostname not in LOCAL_HOSTS:
+        if (pids := self._listening.of(url)) is None:
             return None
-        port = port_of(parts)
-        known = self._pids.get(port)
-        if known is None or time.monotonic() - known[0] >= PIDS_FOR_S:
-            known = (time.monotonic(), find_listeners(port, self._proc).pids)
-            self._pids[port] = known
-        if (before := cpu_seconds(known[1], self._proc)) is None:
-            del self._pids[port]  # gone: looked up again next time
+        if (before := cpu_seconds(pids, self._proc)) is None:
+            self._listening.forget(url)  # gone: looked up again next time
             return None
         time.sleep(window_s)
-        if (after := cpu_seconds(known[1], self._proc)) is None:
+        if (after := cpu_seconds(pids, self._proc)) is None:
             return None
         return after - before >= WORKING_SHARE * window_s
 

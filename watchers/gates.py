@@ -19,7 +19,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from watchers.devices import DeviceCards, open_devices
-from watchers.listeners import Listeners, descendants, find_listeners, port_of
+from watchers.listeners import (
+    LOCAL_HOSTS,
+    Listeners,
+    ListeningPids,
+    descendants,
+    find_listeners,
+    port_of,
+)
 from watchers.listeners import listening_pids as listening_pids  # for older importers
 from watchers.meminfo import CARD as RAM
 
@@ -62,7 +69,6 @@ PERMISSION = "permission"  # the process is there, but its descriptors are not o
 UNSEEN = "unseen"  # the port listens, but no process visible here holds it
 FORWARDED = "forwarded"  # the port is held by a forwarder (docker-proxy, ssh -L...)
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 FORWARDERS = {"docker-proxy", "rootlessport", "slirp4netns", "pasta", "pasta.avx2", "ssh"}
 SAY_IT = "say its cards with spillover_cards"
 MANY_CARDS = (
@@ -131,7 +137,7 @@ class CardMap:
         self._cache: dict[str, tuple[float, Mapping]] = {}
         self._rediscovering: set[str] = set()
         self._lock = threading.Lock()
-        self._listeners: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
+        self._listening = ListeningPids(REFRESH_SECONDS, proc)
 
     def mapping_of(self, server: str) -> Mapping:
         server = server.rstrip("/")
@@ -189,15 +195,7 @@ class CardMap:
         each time (a model loaded again may run in a new child, as with llama-swap)."""
         pids: set[int] = set()
         for server in servers:
-            parts = urlsplit(server)
-            if parts.hostname not in LOCAL_HOSTS:
-                continue
-            port = port_of(parts)
-            known = self._listeners.get(port)
-            if known is None or time.monotonic() - known[0] >= REFRESH_SECONDS:
-                known = (time.monotonic(), find_listeners(port, self._proc).pids)
-                self._listeners[port] = known
-            for pid in known[1]:
+            for pid in self._listening.of(server) or ():
                 pids |= {pid, *descendants(pid, self._proc)}
         return pids
 

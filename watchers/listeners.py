@@ -5,6 +5,7 @@ can be read, whose they are."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
@@ -12,6 +13,7 @@ from urllib.parse import SplitResult, urlsplit
 from watchers.sockdiag import listening
 
 LIVE_PROC = Path("/proc")  # this machine's: its sockets can be asked of the kernel
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,32 @@ def find_listeners(port: int, proc: Path = LIVE_PROC) -> Listeners:
                 pids.add(int(pid.name))
                 break
     return Listeners(True, frozenset(pids), frozenset(unreadable))
+
+
+class ListeningPids:
+    """Who listens on a server's port on this machine, looked up again once `fresh_s` has
+    passed (each lookup walks every process's descriptors: thousands on a GPU box)."""
+
+    def __init__(self, fresh_s: float, proc: Path = LIVE_PROC) -> None:
+        self.fresh_s = fresh_s
+        self.proc = proc
+        self._known: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
+
+    def of(self, url: str) -> frozenset[int] | None:
+        """The processes listening on `url`'s port; None for another machine's server."""
+        parts = urlsplit(url)
+        if parts.hostname not in LOCAL_HOSTS:
+            return None
+        port = port_of(parts)
+        known = self._known.get(port)
+        if known is None or time.monotonic() - known[0] >= self.fresh_s:
+            known = (time.monotonic(), find_listeners(port, self.proc).pids)
+            self._known[port] = known
+        return known[1]
+
+    def forget(self, url: str) -> None:
+        """Look `url`'s listeners up afresh next time (those known are gone)."""
+        self._known.pop(port_of(url), None)
 
 
 def listed(proc: Path) -> list[tuple[int, int, int]]:
