@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from addon.surface.siblings import summed
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.workers import SpilloverWorkers, haproxy_missing
 from tests.streams import (
@@ -194,3 +195,12 @@ def test_stopping_lets_the_live_answers_end_whole(
         assert not any(Path(f"/proc/{pid}").exists() for pid in children)  # all gone
     finally:
         workers.stop()
+
+
+def test_a_servers_slow_health_is_one_workers_word_not_a_sum() -> None:
+    """Each worker judges a server's /health itself, as it does the server's state: the
+    metrics every worker answers for all of them say it once, not once per worker."""
+    slow = 'spillover_server_health_slow{server="http://127.0.0.1:8081",why="while it streams"}'
+    head = "# HELP spillover_server_health_slow h\n# TYPE spillover_server_health_slow gauge\n"
+    each = f"{head}{slow} 1.0\n"
+    assert f"{slow} 1.0" in summed(each.encode(), [each]).decode()

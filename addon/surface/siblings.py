@@ -22,7 +22,7 @@ PEER = "x-spillover-peer"
 TIMEOUT_S = 5.0
 # Families every worker reads alike (the same cards, its own view of the servers): one
 # worker's, not their sum.
-SAME_IN_EACH = ("spillover_card_", "spillover_server_state")
+SAME_IN_EACH = ("spillover_card_", "spillover_server_state", "spillover_server_health_slow")
 log = logging.getLogger(__name__)
 
 
