@@ -23,8 +23,6 @@ from scripts.testbed.relay import Relay
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
     VllmServer,
-    VllmUnavailable,
-    ensure_usable,
     hf_copy,
 )
 from tests.chat_shapes import SHAPES
@@ -40,6 +38,7 @@ from tests.test_raw_output import (
     text_of,
 )
 from tests.throttle import Throttled
+from tests.vllmhere import vllm_or_skip
 
 LLAMA32 = "meta-llama-Llama-3.2-3B-Instruct"
 LONG = 300  # a vLLM on the CPU is still writing when a handoff asked at chunk CUT lands
@@ -130,10 +129,7 @@ def test_a_date_the_model_read_that_is_not_known_is_not_replaced(
 def dated_vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
     """vLLM on the primary's weights with Llama 3.2's template, its clock 26 hours from
     the primary's (UTC-12)."""
-    try:
-        ensure_usable()
-    except VllmUnavailable as why:
-        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    vllm_or_skip()
     template = {t.stem: t for t in templates()}[LLAMA32]
     server = ZonedVllm(
         hf_copy(models["primary"]), max_model_len=1024, log_dir=server_logs,

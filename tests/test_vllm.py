@@ -45,8 +45,6 @@ from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
     VllmServer,
-    VllmUnavailable,
-    ensure_usable,
     hf_copy,
     kill_vllm,
 )
@@ -74,6 +72,7 @@ from tests.test_prefill import built_continuation
 from tests.test_routing import live_on
 from tests.test_splice import held
 from tests.throttle import Throttled
+from tests.vllmhere import vllm_or_skip
 from watchers.listeners import descendants, listening_pids
 
 # vLLM takes minutes to start on 2 cores beside the other tests: the first test waits.
@@ -88,10 +87,7 @@ FINAL = {"continue_final_message": True, "add_generation_prompt": False}
 
 @pytest.fixture(scope="module")
 def vllm(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
-    try:
-        ensure_usable()
-    except VllmUnavailable as why:
-        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    vllm_or_skip()
     model_dir = hf_copy(models["fallback"])
     server = VllmServer(model_dir, max_model_len=CONTEXT, log_dir=server_logs).start(timeout=300)
     yield server

@@ -35,14 +35,13 @@ from scripts.testbed.tinymodels import reasoning_template
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
     VllmServer,
-    VllmUnavailable,
-    ensure_usable,
     hf_copy,
 )
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_decided_handoffs import declined
 from tests.test_splice import CONTROL, handoff
 from tests.throttle import Throttled
+from tests.vllmhere import vllm_or_skip
 from watchers.listeners import descendants, listening_pids
 
 pytestmark = pytest.mark.timeout(420)
@@ -57,10 +56,7 @@ CLOSES_REASONING = {
 
 @pytest.fixture(scope="module")
 def thinking_vllm(models: dict[str, Path], server_logs: Path, tmp_path_factory) -> Iterator[str]:
-    try:
-        ensure_usable()
-    except VllmUnavailable as why:
-        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    vllm_or_skip()
     template = reasoning_template(tmp_path_factory.mktemp("template"))
     flags = ["--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip

@@ -23,11 +23,10 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.vllmserver import (
     SERVED_NAME,
     VllmServer,
-    VllmUnavailable,
-    ensure_usable,
     hf_copy,
 )
 from tests.streams import assert_one_clean_stream, read_stream
+from tests.vllmhere import vllm_or_skip
 from watchers.listeners import descendants
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,10 +39,7 @@ ASKED = {
 
 @pytest.fixture(scope="module")
 def one_at_a_time(models: dict[str, Path], server_logs: Path) -> Iterator[VllmServer]:
-    try:
-        ensure_usable()
-    except VllmUnavailable as why:
-        pytest.skip(f"vLLM's CPU build is not used here: {why}")
+    vllm_or_skip()
     server = VllmServer(
         hf_copy(models["fallback"]), max_model_len=1024, log_dir=server_logs,
         extra_args=["--max-num-seqs", "1"],
