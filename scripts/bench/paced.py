@@ -18,12 +18,18 @@ the row streams, over idle), and when the last stream's first event came ("1st m
 after all were asked); then each route against plain mitmdump, as ratios. The p99 counts
 the start too: every stream starts at once, and their first events wait on the others'
 starts, so "p99 4th+" is the p99 of each stream's events from its fourth on, the pace
-the answers go on at. `--rounds N` measures every row N times, one round after
+the answers go on at. At 64 streams every first event is in the top 1 %, and most of
+the rest are the answers' last events: they all end in the same decode step, and each
+end's work (its connections closed, its flow finished) delays the others' last events.
+`--spread S` spreads the ends over S seconds more, as a batch's answers of different
+lengths end. `--rounds N` measures every row N times, one round after
 another, and gives each ratio as every round did: one run's CPU ratio moves by about
-10 % either way, and a latency target is met in so many rounds of N.
+10 % either way, and a latency target is met in so many rounds of N. `--again` measures
+a second plain mitmdump as a route of its own: its ratios to the first are what a
+ratio moves by when nothing differs.
 
     .venv/bin/python -m scripts.bench.paced [--quick] [--streams 256,512,1024] [--workers 2,4,8]
-        [--api chat|messages|responses] [--rounds 3]
+        [--api chat|messages|responses] [--rounds 3] [--again] [--spread 1]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from addon.handoff.exact import asking_for_ids
 from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
@@ -59,31 +66,44 @@ def cpu_seconds(pids: list[int]) -> float:
 
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 PLAIN_IDS = "plain, ids chunks"  # plain mitmdump, its client asking for the addon's ids
+# A second plain mitmdump, measured as any other route is: what a ratio moves by when
+# nothing differs, the yardstick each route's ratio is read against (`--again`).
+PLAIN_AGAIN = "plain, again"
 
 
 async def paced_streams(
-    port: int, streams: int, rate: int, seconds: float, api: str = "chat", ids: bool = False
-) -> tuple[int, float, list[list[float]], list[float]]:
+    port: int, streams: int, rate: int, seconds: float, api: str = "chat", ids: bool = False,
+    spread: float = 0.0,
+) -> tuple[int, float, list[list[float]], list[float]]:  # fmt: skip
     """(events received, seconds until the last stream ended, each stream's latencies in
     ms, each stream's first event in ms after they were all asked); `ids`: the client
-    asks for token ids as the addon does (exact.asking_for_ids)."""
-    body = {
+    asks for token ids as the addon does (exact.asking_for_ids); `spread`: the answers'
+    ends spread over so many seconds more (the k-th of n runs k/n of it longer), where
+    with none they all end in the same decode step."""
+    latencies: list[list[float]] = [[] for _ in range(streams)]
+    firsts: list[float] = []
+    start = time.perf_counter()
+    counts = await asyncio.gather(
+        *(
+            read_stream(port, paced_body(rate, seconds + spread * k / streams, api, ids), each,
+                        firsts, PATHS[api])
+            for k, each in enumerate(latencies)
+        )
+    )  # fmt: skip
+    took = time.perf_counter() - start
+    return sum(counts), took, latencies, [1000 * (first - start) for first in firsts]
+
+
+def paced_body(rate: int, seconds: float, api: str, ids: bool) -> dict[str, Any]:
+    """The request of one answer of `seconds` at `rate` events a second."""
+    body: dict[str, Any] = {
         "stream": True, "max_tokens": int(rate * seconds), "interval_ms": 1000 / rate,
         "messages": MESSAGES, "model": "bench",
     }  # fmt: skip
     if api == "responses":
         body = {**body, "input": MESSAGES[0]["content"], "max_output_tokens": body["max_tokens"]}
         del body["messages"], body["max_tokens"]
-    if ids:
-        body = asking_for_ids(body)
-    latencies: list[list[float]] = [[] for _ in range(streams)]
-    firsts: list[float] = []
-    start = time.perf_counter()
-    counts = await asyncio.gather(
-        *(read_stream(port, body, each, firsts, PATHS[api]) for each in latencies)
-    )
-    took = time.perf_counter() - start
-    return sum(counts), took, latencies, [1000 * (first - start) for first in firsts]
+    return asking_for_ids(body) if ids else body
 
 
 def percentile(samples: list[float], fraction: float) -> float:
@@ -111,7 +131,7 @@ def resident_mib(pids: list[int]) -> float:
 
 def measure(
     port: int, pids: Callable[[], list[int]], streams: int, rate: int, seconds: float, api: str,
-    ids: bool = False,
+    ids: bool = False, spread: float = 0.0,
 ) -> Row:  # fmt: skip
     asyncio.run(paced_streams(port, min(streams, 8), rate, 0.5, api, ids))  # warm up
     used, idle = cpu_seconds(pids()), resident_mib(pids())
@@ -124,14 +144,16 @@ def measure(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    events, took, each, firsts = asyncio.run(paced_streams(port, streams, rate, seconds, api, ids))
+    events, took, each, firsts = asyncio.run(
+        paced_streams(port, streams, rate, seconds, api, ids, spread)
+    )
     done.set()
     sampler.join()
     cpu = cpu_seconds(pids()) - used
     latencies = [ms for stream in each for ms in stream]
     going = [ms for stream in each for ms in stream[STARTING:]]
     return (
-        streams * rate,
+        streams * rate * (seconds + spread / 2) / (seconds + spread),  # on average
         events / took,
         percentile(latencies, 0.5),
         percentile(latencies, 0.99),
@@ -187,9 +209,10 @@ def ratios(rows: dict[tuple[int, str], Row], streams: int, name: str) -> dict[st
     if name == PLAIN_IDS:
         same, row = rows[streams, PLAIN_IDS], rows[streams, "addon, ids"]
         return {"CPU per event": row[5] / same[5], "plain's own carrying them": same[5] / plain[5]}
-    row = rows[streams, name]
+    row, direct = rows[streams, name], rows[streams, "direct"]
     return {
         "delivered": row[1] / plain[1], "p50": row[2] / plain[2], "p99": row[3] / plain[3],
+        "added p99": (row[3] - direct[3]) / (plain[3] - direct[3]),
         "p99 4th+": row[8] / plain[8], "CPU per event": row[5] / plain[5],
     }  # fmt: skip
 
@@ -220,6 +243,13 @@ def main() -> None:
         "--workers", default="", help="worker counts behind HAProxy, a row each (e.g. 2,4,8)"
     )
     parser.add_argument("--no-ids", action="store_true", help="leave out the 'addon, ids' row")
+    parser.add_argument(
+        "--again", action="store_true", help="a second plain mitmdump row: the ratios' own noise"
+    )
+    parser.add_argument(
+        "--spread", type=float, default=0.0,
+        help="the answers' ends spread over so many seconds (by default all end at once)",
+    )  # fmt: skip
     parser.add_argument("--api", choices=list(PATHS), default="chat", help="the API streamed")
     parser.add_argument(
         "--rounds", type=int, default=1, help="every row measured this many times, in turn"
@@ -230,6 +260,7 @@ def main() -> None:
     ids = not args.no_ids and args.api == "chat"
     names = ["direct", "plain mitmdump", "addon", *(["addon, ids", PLAIN_IDS] if ids else [])]
     names += [f"workers {n}" for n in filter(None, args.workers.split(","))]
+    names += [PLAIN_AGAIN] if args.again else []
     # thousands of sockets: the client's, and every proxy's (they inherit the limit)
     _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
@@ -241,8 +272,9 @@ def main() -> None:
                 measure_rows(names, counts, source, twin, work, args, seconds)
                 for _ in range(max(1, args.rounds))
             ]
+    ends = f", their ends spread over {args.spread:g} s more" if args.spread else ""
     print(
-        f"{args.api}: {args.rate} events/s per stream, {seconds:g} s per row, "
+        f"{args.api}: {args.rate} events/s per stream, {seconds:g} s per row{ends}, "
         f"{os.cpu_count()} cores shared"
     )
     for number, rows in enumerate(rounds, 1):
@@ -265,8 +297,9 @@ def measure_rows(
             before = served(source)["with_ids"]
             for streams in counts:
                 rows[streams, name] = measure(
-                    port, pids, streams, args.rate, seconds, args.api, name == PLAIN_IDS
-                )
+                    port, pids, streams, args.rate, seconds, args.api, name == PLAIN_IDS,
+                    args.spread,
+                )  # fmt: skip
             asked_ids = served(source)["with_ids"] > before
             if asked_ids != (name in ("addon, ids", PLAIN_IDS)):
                 raise RuntimeError(f"row {name!r} did not take its path (token ids: {asked_ids})")
