@@ -51,17 +51,12 @@ from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.workers import SpilloverWorkers
-
-TICK = os.sysconf("SC_CLK_TCK")
+from watchers import cputime
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU time of these processes so far."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICK
+    """User and system CPU time of these processes so far (none: 0)."""
+    return cputime.cpu_seconds(frozenset(pids)) or 0.0
 
 
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}

@@ -3,8 +3,10 @@
 Part 1, side by side in one run against a max-rate stand-in server (scripts/testbed/sse_source.py):
 direct, plain mitmdump (streaming) and mitmdump with the addon (no fallback; a fallback
 with the same tokenizer, so the first leg asks for token ids; the same with exact replay
-off; the addon behind the fail-open guard); throughput with 1 and 32 streams, and
-per-chunk latency at 500 chunks/s. Each row checks with the stand-in that its requests
+off; the addon behind the fail-open guard); throughput with 1 and 32 streams,
+per-chunk latency at 500 chunks/s, and short answers (three tokens, 64 asked at a time):
+answers a second, and the proxy's CPU for each (its processes together), what an
+answer's start and end cost. Each row checks with the stand-in that its requests
 took the path it names.
 Part 2, real llama-servers: time to the first token (short prompt, median of 30) direct,
 through plain mitmdump and through the addon; the handoff pause a client sees (handoff
@@ -34,6 +36,7 @@ from scripts.parts.processes import ManagedProcess, running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import ensure_models
+from watchers.cputime import cpu_seconds
 
 SENT = re.compile(rb'"sent_ns":(\d+)')
 
@@ -94,6 +97,23 @@ async def throughput(port: int, streams: int, chunks: int) -> float:
     return sum(counts) / elapsed
 
 
+async def short_answers(port: int, count: int, at_once: int) -> float:
+    """Answers a second, of `count` three-token answers asked `at_once` at a time: what an
+    answer's start and end cost (an agent's tool calls are many short answers)."""
+    body = {"stream": True, "max_tokens": 3, "messages": MESSAGES}
+    slots = asyncio.Semaphore(at_once)
+
+    async def one() -> int:
+        async with slots:
+            return await read_stream(port, body)
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one() for _ in range(count)))
+    elapsed = time.perf_counter() - start
+    assert all(c >= 3 for c in counts), counts
+    return count / elapsed
+
+
 async def latency(port: int, chunks: int) -> tuple[float, float]:
     samples: list[float] = []
     body = {"stream": True, "max_tokens": chunks, "interval_ms": 2, "messages": MESSAGES}
@@ -103,7 +123,7 @@ async def latency(port: int, chunks: int) -> tuple[float, float]:
 
 
 def overhead(quick: bool, work: Path) -> None:
-    single, multi, paced = (4000, 500, 300) if quick else (40000, 3000, 1500)
+    single, multi, paced, short = (4000, 500, 300, 500) if quick else (40000, 3000, 1500, 3000)
     # The twin stands for a fallback with the same tokenizer (the addon refuses the
     # primary's own address as a fallback); it answers only the addon's questions.
     source, twin = SseSource(log_dir=work), SseSource(log_dir=work)
@@ -126,30 +146,41 @@ def overhead(quick: bool, work: Path) -> None:
                 behind, GuardProcess(behind.port, source.url.split("//")[1], log_dir=work)
             ],
         }  # fmt: skip
-        results: dict[str, tuple[float, float, float, float]] = {}
+        results: dict[str, tuple[float, float, float, float, float, float]] = {}
         for name, processes in setups.items():
             with running(*processes):
                 for proxy in processes:
                     if isinstance(proxy, Mitmdump) and proxy.fallbacks:
                         wait_for_tokenizers(proxy)
                 port = processes[-1].port if processes else source.port
+                pids = frozenset(process.pid for process in processes)
                 before = served(source)
                 asyncio.run(throughput(port, 1, 500))  # warm up
                 one = asyncio.run(throughput(port, 1, single))
                 many = asyncio.run(throughput(port, 32, multi))
                 p50, p95 = asyncio.run(latency(port, paced))
+                used = cpu_seconds(pids) or 0.0
+                answers = asyncio.run(short_answers(port, short, 64))
+                per_answer = 1000 * ((cpu_seconds(pids) or 0.0) - used) / short
             check_path(name, before, served(source))
-            results[name] = (one, many, p50, p95)
+            results[name] = (one, many, p50, p95, answers, per_answer)
     plain = results["plain mitmdump"]
-    print(f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8}")
-    for name, (one, many, p50, p95) in results.items():
-        print(f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f}")
+    print(
+        f"{'':16} {'1 stream ev/s':>14} {'32 streams ev/s':>16} {'p50 ms':>8} {'p95 ms':>8} "
+        f"{'answers/s':>10} {'CPU ms/answer':>14}"
+    )
+    for name, (one, many, p50, p95, answers, per_answer) in results.items():
+        print(
+            f"{name:16} {one:14,.0f} {many:16,.0f} {p50:8.3f} {p95:8.3f} {answers:10,.0f} "
+            f"{per_answer:14.2f}"
+        )
     for name in ("addon", "addon, ids", "addon, ids off", "addon, guarded"):
         addon = results[name]
         print(
             f"{name} / plain mitmdump: throughput {addon[0] / plain[0]:.2f}x (1 stream), "
             f"{addon[1] / plain[1]:.2f}x (32 streams); added p50 latency "
-            f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms"
+            f"{addon[2] - plain[2]:+.3f} ms, p95 {addon[3] - plain[3]:+.3f} ms; short "
+            f"answers {addon[4] / plain[4]:.2f}x a second, {addon[5] / plain[5]:.2f}x the CPU each"
         )
     print(f"plain mitmdump / direct: throughput {plain[0] / results['direct'][0]:.2f}x (1 stream)")
 
