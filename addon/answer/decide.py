@@ -84,9 +84,12 @@ class Decision:
         that has room for the rest; None where there is none."""
         for index in targets:
             server = self._ladder[index]
-            why = await self._asked_refusal(server) if self._next.said else None
-            if why is None and not await self._next.fits(server):
+            if self._next.said:  # its continuation built, and the room it takes asked
+                why = await self._asked_refusal(server)
+            elif not await self._next.fits(server):
                 why = f"{server.url} has no room for the rest of this answer"
+            else:
+                why = None
             # Decided again as the answer stands now: text may have gone out meanwhile.
             if why is None and (why := self._refusal(server)) is None:
                 return index

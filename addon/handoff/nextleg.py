@@ -61,6 +61,8 @@ class NextLeg:
         self._servers = servers
         self.asks_ids = asks_ids
         self.renderings = Renderings(servers, body) if servers is not None else None
+        # The token counts the answer's room checks asked for (see room_needed).
+        self._counted: dict[tuple[str, str | None, str], int] = {}
 
     async def request(
         self,
@@ -137,12 +139,13 @@ class NextLeg:
 
     async def asked_refusal(self, upstream: Upstream) -> str | None:
         """Why `upstream` may not go on with this answer as it stands: its continuation
-        built, the server asked what it must be asked (None: it may)."""
+        built, the server asked what it must be asked, and whether it has room for it
+        (None: it may)."""
         try:
-            await self.continuation(upstream)
+            _, body, _, _ = await self.continuation(upstream)
         except CannotContinue as why:
             return str(why)
-        return None
+        return await self._no_room(upstream, body)
 
     def _dialect_leg(self, upstream: Upstream) -> tuple[str, dict[str, Any], Rewriter, str | None]:
         """The dialect's continuation on `upstream`, whose engine cannot say what it reads,
@@ -347,9 +350,24 @@ class NextLeg:
         bound = self.dialect.upper_bound(self._text_continuation(upstream))
         return bound is not None and bound <= context
 
+    def read_of(self, upstream: Upstream, body: dict[str, Any], answer: Any) -> None:
+        """Keep what a server said it read of a continuation's prompt (llama-server's
+        `tokens_evaluated`, of a shadow's prefill): the count of its text, which the
+        room check at a handoff then need not ask (the count includes a BOS the server
+        adds, which /tokenize leaves out: one token more room asked, never less)."""
+        prompt = body.get("prompt")
+        evaluated = answer.get("tokens_evaluated") if isinstance(answer, dict) else None
+        if not isinstance(evaluated, int) or self._servers is None:
+            return
+        text, *ids = prompt if isinstance(prompt, list) else [prompt]
+        if isinstance(text, str) and all(isinstance(i, int) for i in ids):
+            tokenizer = self._servers.get(upstream).tokenizer
+            self._counted[upstream.url, tokenizer, text] = evaluated - len(ids)
+
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before
-        an asked-for handoff leaves a server that is still working)."""
+        an asked-for handoff leaves a server that is still working, while nothing has gone
+        out: once something has, `asked_refusal` checks the room its continuation takes)."""
         return await self._no_room(upstream, self._text_continuation(upstream)) is None
 
     async def _no_room(self, upstream: Upstream, body: dict[str, Any]) -> str | None:
@@ -361,7 +379,7 @@ class NextLeg:
         if context is None:
             return None
         bound = self.dialect.upper_bound(body)
-        needed = await self._servers.room_needed(upstream, body, context, bound)
+        needed = await self._servers.room_needed(upstream, body, context, bound, self._counted)
         if needed is None or needed <= context:
             return None
         return (

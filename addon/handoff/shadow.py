@@ -161,6 +161,9 @@ class Shadow:
         self.busy = 0  # updates put off because the server had no idle slot
         self.last_ms: float | None = None
         self.ended: str | None = None
+        # While a handoff of the answer is being decided, no update starts: one sent then
+        # is still in flight at the cut, and the continuation waits for all of it.
+        self.held = False
         self._leg = leg
         self._transcript = transcript
         self._budget = budget
@@ -195,7 +198,8 @@ class Shadow:
             # ids where they can replay) and the first one's prefix is never read twice.
             every = self._budget.every
             pause = POLL_S
-            if produced and (self.updates == 0 or produced - self.covered >= every):
+            due = produced and (self.updates == 0 or produced - self.covered >= every)
+            if due and not self.held:
                 pause = await self._update(produced)
             if self.ended is None:
                 await asyncio.sleep(pause)
@@ -209,7 +213,10 @@ class Shadow:
                 self.busy += 1
                 return BUSY_S
             path, body, _, _ = await self._leg.continuation(self.target)
+            if self.held:
+                return POLL_S
             answer = await self._budget.prefill(self.target.url, path, prompt_only(path, body))
+            self._leg.read_of(self.target, body, answer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never the answer's trouble: only the shadow's
@@ -316,6 +323,11 @@ class Shadows:
         finally:
             self._starting.discard(answer)
             self._gone.discard(answer)
+
+    def hold(self, answer: str, held: bool) -> None:
+        """While a handoff of `answer` is decided (`held`), its shadow starts no update."""
+        if (shadow := self.by_answer.get(answer)) is not None:
+            shadow.held = held
 
     def handed_off(self, answer: str) -> None:
         if (shadow := self.by_answer.get(answer)) is not None:

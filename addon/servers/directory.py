@@ -36,7 +36,12 @@ from addon.servers.fingerprint import Fingerprint, fingerprint_for_migration
 from addon.servers.identity import dated_template, identity_of
 from addon.servers.info import ServerInfo, slot_context, unanswered
 from addon.servers.prompts import PromptQuestions
-from addon.servers.traits import echoes_prefill, tokenizer_fingerprint
+from addon.servers.traits import (
+    echoes_prefill,
+    fingerprint_of,
+    tokenizer_fingerprint,
+    tokenizer_probe,
+)
 from addon.servers.upstream import Upstream
 from addon.servers.vllm_routes import own_routes
 
@@ -129,18 +134,25 @@ class ServerDirectory(PromptQuestions):
         if info is None or not info.asked or upstream in self._probing:
             return None
         try:
-            try:
-                props = await self._ask(upstream, "/props")
-            except (httpx.HTTPError, ValueError):
+            # All at once: this runs in a handoff's pause (the probe's ids count only
+            # where the server says it runs what it ran).
+            questions = [self._ask(upstream, "/props"), self._ask(upstream, "/v1/models")]
+            if info.tokenizer is not None:
+                questions.append(self._ask(upstream, *tokenizer_probe(info)))
+            props, models, *probe = await asyncio.gather(*questions, return_exceptions=True)
+            if isinstance(props, (httpx.HTTPError, ValueError)):
                 props = None  # as when it was learnt: an engine without /props
-            models = await self._ask(upstream, "/v1/models")
+            for answer in (props, models):
+                if isinstance(answer, BaseException):
+                    raise answer
             changed = []
             if identity_of(props, models) != info.identity:
                 changed.append("what it says it runs")
-            elif info.tokenizer is not None and (
-                await tokenizer_fingerprint(self.asker(upstream), info, models) != info.tokenizer
-            ):
-                changed.append("its tokenizer")
+            elif probe:
+                if isinstance(ids := probe[0], BaseException):
+                    raise ids
+                if fingerprint_of(info, models, ids["tokens"]) != info.tokenizer:
+                    changed.append("its tokenizer")
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             self.unverified.add(upstream)  # its tokenizer is not known now: text, not ids
             return None

@@ -86,29 +86,40 @@ class PromptQuestions:
         return prompt
 
     async def room_needed(
-        self, upstream: Upstream, body: dict[str, Any], room: int, bound: int | None
+        self,
+        upstream: Upstream,
+        body: dict[str, Any],
+        room: int,
+        bound: int | None,
+        counted: dict[tuple[str, str | None, str], int] | None = None,
     ) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
         may still write; None when the server cannot tell. When `bound` (from its size)
         says it fits in `room`, the server is not asked (asking costs two round trips in
-        the pause)."""
+        the pause). `counted`: the token counts of texts this server was asked already
+        (an answer's, by server, tokenizer and text), kept there: the prompt a handoff
+        replays, asked of its target before the cut, is not asked again in the pause."""
         if bound is not None and bound <= room:
             return bound
         if (
-            counted := engines.prompt_count(await self._tokenized_chat(upstream, body))
+            counted_chat := engines.prompt_count(await self._tokenized_chat(upstream, body))
         ) is not None:
-            return counted + (token_limit(body) or 0)
+            return counted_chat + (token_limit(body) or 0)
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None
+        counted = {} if counted is None else counted
+        tokenizer = self.get(upstream).tokenizer
         count = 0
         for part in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(part, int):
                 count += 1
                 continue
-            try:
-                tokens = await self._ask(upstream, "/tokenize", {"content": part})
-                count += len(tokens["tokens"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return None
+            if (key := (upstream.url, tokenizer, part)) not in counted:
+                try:
+                    tokens = await self._ask(upstream, "/tokenize", {"content": part})
+                    counted[key] = len(tokens["tokens"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    return None
+            count += counted[key]
         return count + (token_limit(body) or 0)

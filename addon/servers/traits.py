@@ -27,18 +27,38 @@ async def tokenizer_fingerprint(
     """A fingerprint of the model's tokenizer, from its engine, its vocabulary's kind
     and size (llama-server's `/v1/models` says them) and the ids it makes of a probe
     text (two engines' ids never count as the same: their tokenizers differ)."""
-    if info.engine == "vllm" and info.model:
-        request = {"model": info.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
-        ids = (await ask("/tokenize", request))["tokens"]
-        fingerprint = f"vllm/{ids}"
-        return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-    entries = mapping(models).get("data") or [None]
-    meta = mapping(mapping(entries[0]).get("meta"))
-    if "n_vocab" not in meta:
+    if not _vllm(info) and "n_vocab" not in _meta(models):
         return None
-    ids = (await ask("/tokenize", {"content": TOKENIZER_PROBE}))["tokens"]
-    fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
+    return fingerprint_of(info, models, (await ask(*tokenizer_probe(info)))["tokens"])
+
+
+def tokenizer_probe(info: ServerInfo) -> tuple[str, dict[str, Any]]:
+    """The question whose ids go into the tokenizer's fingerprint."""
+    if _vllm(info):
+        return "/tokenize", {
+            "model": info.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False
+        }  # fmt: skip
+    return "/tokenize", {"content": TOKENIZER_PROBE}
+
+
+def fingerprint_of(info: ServerInfo, models: Any, ids: Any) -> str | None:
+    """`tokenizer_fingerprint` from its answers: `/v1/models` and the probe's ids."""
+    if _vllm(info):
+        fingerprint = f"vllm/{ids}"
+    elif "n_vocab" in (meta := _meta(models)):
+        fingerprint = f"{meta.get('vocab_type')}/{meta['n_vocab']}/{ids}"
+    else:
+        return None
     return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+def _vllm(info: ServerInfo) -> bool:
+    return info.engine == "vllm" and bool(info.model)
+
+
+def _meta(models: Any) -> dict[str, Any]:
+    entries = mapping(models).get("data") or [None]
+    return mapping(mapping(entries[0]).get("meta"))
 
 
 async def echoes_prefill(
