@@ -5,10 +5,12 @@ models; reading a prompt takes visible time on a CPU), the same model on both si
 the continuation replays token ids. Side by side in one run, at prompts of about 512,
 2,048 and 7,000 tokens:
 
-- the pause a client sees at a handoff (note -> first fallback text) with no shadow and
-  with shadows updated every 32, 8 and 1 tokens, next to one decode step of the
-  fallback; the tokens the fallback read at the handoff, and the extra tokens the shadow
-  made it read over the answer;
+- the pause at a handoff (note -> first fallback text) and the silence a client sees
+  (its last text from the primary -> the first from the fallback: the decision, the
+  checks and whatever the continuation waits for, which the note, written as the next
+  leg begins, leaves out) with no shadow and with shadows updated every 32, 8 and 1
+  tokens, next to one decode step of the fallback; the tokens the fallback read at the
+  handoff, and the extra tokens the shadow made it read over the answer;
 - the fallback's throughput for another client streaming on it, with and without a
   shadowed answer beside it, for a fallback running the same model and one running a
   smaller (4 x 256) model.
@@ -93,7 +95,7 @@ def caught_up(proxy: Mitmdump, timeout: float = 120) -> None:
 
 def one_handoff(proxy: Mitmdump, text: str, every: int | None) -> dict:
     """Stream, hand off after CUT chunks (with a shadow: once it has caught up)."""
-    note_at = first_after = None
+    note_at = first_after = last_before = None
     chunks, shadow, timings = 0, None, {}
     with httpx.stream(
         "POST", f"{proxy.url}/v1/chat/completions", json=body(text), timeout=300
@@ -103,6 +105,8 @@ def one_handoff(proxy: Mitmdump, text: str, every: int | None) -> dict:
                 note_at = time.perf_counter()
             elif line.startswith("data: {"):
                 chunks += 1
+                if '"content"' in line and note_at is None:
+                    last_before = time.perf_counter()
                 if note_at is not None and first_after is None and '"content"' in line:
                     first_after = time.perf_counter()
                 if '"timings"' in line:
@@ -113,10 +117,11 @@ def one_handoff(proxy: Mitmdump, text: str, every: int | None) -> dict:
                         live = CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
                         shadow = live[0]["shadow"]
                     CONTROL.post(f"{proxy.url}/spillover/handoff")
-    if note_at is None or first_after is None:
+    if note_at is None or first_after is None or last_before is None:
         raise RuntimeError("no handoff happened")
     return {
         "pause_ms": (first_after - note_at) * 1000,
+        "silence_ms": (first_after - last_before) * 1000,
         "read_at_handoff": timings.get("prompt_n"),
         "extra": None if shadow is None else shadow["computed_tokens"],
         "decode_ms": timings.get("predicted_per_token_ms"),
@@ -131,8 +136,8 @@ def pauses(primary: LlamaServer, fallback: LlamaServer, repeats: int, work: Path
     with running(*proxies.values()):
         for proxy in proxies.values():
             proxy.servers_known()
-        print(f"{'context':>8} {'setup':16} {'pause ms':>9} {'decode ms':>10} "
-              f"{'read at cut':>12} {'shadow read':>12}")  # fmt: skip
+        print(f"{'context':>8} {'setup':16} {'pause ms':>9} {'silence ms':>11} "
+              f"{'decode ms':>10} {'read at cut':>12} {'shadow read':>12}")  # fmt: skip
         for context in CONTEXTS:
             text = prompt_of(context, primary)
             for name, proxy in proxies.items():
@@ -142,13 +147,15 @@ def pauses(primary: LlamaServer, fallback: LlamaServer, repeats: int, work: Path
                     erase(fallback)
                     runs.append(one_handoff(proxy, text, every))
                 pause = statistics.median(r["pause_ms"] for r in runs)
+                silence = statistics.median(r["silence_ms"] for r in runs)
                 decode = statistics.median(r["decode_ms"] or 0 for r in runs)
                 read = statistics.median(r["read_at_handoff"] or 0 for r in runs)
                 extra = (
                     "" if every is None else f"{statistics.median(r['extra'] for r in runs):,.0f}"
                 )
                 print(
-                    f"{context:8,} {name:16} {pause:9.1f} {decode:10.2f} {read:12,.0f} {extra:>12}"
+                    f"{context:8,} {name:16} {pause:9.1f} {silence:11.1f} {decode:10.2f} "
+                    f"{read:12,.0f} {extra:>12}"
                 )
 
 
