@@ -6,7 +6,8 @@ instead of asking the server to tokenize the whole prompt again (NextLeg.read_of
 count must be the server's own: the room a prompt takes is what the server reads of it,
 its BOS included where it adds one (which /tokenize leaves out). And while a handoff is
 being decided, the shadow starts no update (one started then is still in flight at the
-cut, and the continuation waits for all of it)."""
+cut, and the continuation waits for all of it), and once the answer stays where it is,
+its shadow goes on."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_the_room_a_shadow_saw_is_what_the_server_reads(start_server, model: str
 
 async def updates_while(url: str) -> list[int]:
     """A shadow's updates on the server at `url`: after its first, after tokens enough
-    for another came while it was held, and after it was let go."""
+    for another came while a handoff of its answer was being decided, and after."""
     servers = ServerDirectory()
     upstream = Upstream(url)
     transcript = Transcript()
@@ -84,13 +85,14 @@ async def updates_while(url: str) -> list[int]:
         body: dict[str, Any] = {"messages": [QUESTION], "max_tokens": 50, "stream": True}
         leg = NextLeg("/v1/chat/completions", Chat("messages"), body, transcript, servers, False)
         write(transcript, "The river")
-        shadow = Shadow(leg, transcript, upstream, budget)
+        moving = False
+        shadow = Shadow(leg, transcript, upstream, budget, lambda: moving)
         seen = [await updated(shadow, 1)]
-        shadow.held = True
+        moving = True
         write(transcript, " runs north to the sea")
         await asyncio.sleep(30 * POLL_S)
         seen.append(shadow.updates)
-        shadow.held = False
+        moving = False
         seen.append(await updated(shadow, seen[-1] + 1))
         shadow.stop("the test is over")
         return seen
@@ -112,8 +114,8 @@ async def updated(shadow: Shadow, count: int) -> int:
     raise AssertionError(f"{shadow.updates} updates, not {count}: {shadow.status()}")
 
 
-def test_a_held_shadow_starts_no_update(start_server) -> None:
-    first, held, released = asyncio.run(updates_while(start_server("fallback").url))
+def test_no_shadow_update_starts_while_its_answer_is_moving(start_server) -> None:
+    first, moving, after = asyncio.run(updates_while(start_server("fallback").url))
     assert first >= 1
-    assert held == first  # tokens came, and no update went out while held
-    assert released > held
+    assert moving == first  # tokens came, and no update went out while it was moving
+    assert after > moving

@@ -175,7 +175,6 @@ class Splice:
     async def _move(self, reason: str, kind: str, decided: float, targets: list[int]) -> bool:
         """Ask the `targets` whether they may go on and have room, while the leg goes on."""
         leg = self._leg_task
-        self._fleet.shadows.hold(self._answer, True)
         try:
             target = await self._decision.asked(targets)
             if leg is not self._leg_task or not self.can_cut or self._spent() is not None:
@@ -188,7 +187,6 @@ class Splice:
         finally:
             if self._pending is None:
                 self._moving = False
-                self._fleet.shadows.hold(self._answer, False)
 
     def _spent(self) -> str | None:
         """Why nothing is left to continue: the answer has every token its request allows
@@ -197,6 +195,11 @@ class Splice:
         if limit is None or self.transcript.produced < limit:
             return None
         return f"the answer has all the {limit} tokens its request allows"
+
+    @property
+    def moving(self) -> bool:
+        """Whether a handoff is being decided or made."""
+        return self._moving
 
     @property
     def can_cut(self) -> bool:

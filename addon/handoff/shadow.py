@@ -151,8 +151,14 @@ class Shadow:
     """One answer's shadow on one server."""
 
     def __init__(
-        self, leg: NextLeg, transcript: Transcript, target: Upstream, budget: ShadowBudget
+        self,
+        leg: NextLeg,
+        transcript: Transcript,
+        target: Upstream,
+        budget: ShadowBudget,
+        moving: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`moving()`: whether a handoff of the answer is being decided or made now."""
         self.target = target
         self.covered = 0  # answer tokens the server's cache holds (after the last update)
         self.updates = 0
@@ -163,7 +169,7 @@ class Shadow:
         self.ended: str | None = None
         # While a handoff of the answer is being decided, no update starts: one sent then
         # is still in flight at the cut, and the continuation waits for all of it.
-        self.held = False
+        self._moving = moving
         self._leg = leg
         self._transcript = transcript
         self._budget = budget
@@ -199,7 +205,7 @@ class Shadow:
             every = self._budget.every
             pause = POLL_S
             due = produced and (self.updates == 0 or produced - self.covered >= every)
-            if due and not self.held:
+            if due and not self._moving():
                 pause = await self._update(produced)
             if self.ended is None:
                 await asyncio.sleep(pause)
@@ -213,7 +219,7 @@ class Shadow:
                 self.busy += 1
                 return BUSY_S
             path, body, _, _ = await self._leg.continuation(self.target)
-            if self.held:
+            if self._moving():
                 return POLL_S
             answer = await self._budget.prefill(self.target.url, path, prompt_only(path, body))
             self._leg.read_of(self.target, body, answer)
@@ -259,6 +265,7 @@ class LiveAnswer(Protocol):
     """What the shadows read of a live answer (a splice)."""
 
     streaming: bool
+    moving: bool  # a handoff is being decided or made
     body: dict[str, Any]
     dialect: Dialect
     transcript: Transcript
@@ -319,15 +326,12 @@ class Shadows:
             if answer in self._gone:
                 self.budget.give_back(target.url)
                 return
-            self.by_answer[answer] = Shadow(splice.next_leg, splice.transcript, target, self.budget)
+            self.by_answer[answer] = Shadow(
+                splice.next_leg, splice.transcript, target, self.budget, lambda: splice.moving
+            )
         finally:
             self._starting.discard(answer)
             self._gone.discard(answer)
-
-    def hold(self, answer: str, held: bool) -> None:
-        """While a handoff of `answer` is decided (`held`), its shadow starts no update."""
-        if (shadow := self.by_answer.get(answer)) is not None:
-            shadow.held = held
 
     def handed_off(self, answer: str) -> None:
         if (shadow := self.by_answer.get(answer)) is not None:
