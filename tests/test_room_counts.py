@@ -22,6 +22,7 @@ from addon.formats.transcript import Transcript
 from addon.handoff.nextleg import NextLeg
 from addon.handoff.shadow import POLL_S, Shadow, ShadowBudget, prompt_only
 from addon.servers.directory import ServerDirectory
+from addon.servers.prompts import Counted
 from addon.servers.upstream import Upstream
 from tests.chat_shapes import QUESTION
 
@@ -42,7 +43,7 @@ async def counts(url: str) -> dict[str, int]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             rendered = await client.post("/apply-template", json={"messages": [QUESTION]})
         body = {"prompt": [rendered.json()["prompt"], *IDS], "n_predict": LIMIT}
-        asked = await servers.room_needed(upstream, body, room=1, bound=None, counted={})
+        asked = await servers.room_needed(upstream, body, room=1, bound=None)
         budget = ShadowBudget(lambda _: {})
         try:
             answer = await budget.prefill(url, "/completion", prompt_only("/completion", body))
@@ -119,3 +120,15 @@ def test_no_shadow_update_starts_while_its_answer_is_moving(start_server) -> Non
     assert first >= 1
     assert moving == first  # tokens came, and no update went out while it was moving
     assert after > moving
+
+
+def test_an_answer_keeps_only_its_latest_counts() -> None:
+    """A text continuation's text grows with the answer: each room check may count a new
+    one, and a long answer's checks must not keep them all."""
+    counted = Counted()
+    for length in range(1, 11):
+        counted.put(("http://fallback", None, "x" * length), length)
+    kept = [
+        length for length in range(1, 11) if counted.get(("http://fallback", None, "x" * length))
+    ]
+    assert kept == list(range(11 - Counted.KEPT, 11))

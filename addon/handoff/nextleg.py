@@ -23,7 +23,7 @@ from addon.handoff.sampling import sampled_as_first
 from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import RENDERS_ON_ASKING, ROUTER
-from addon.servers.prompts import NotRendered
+from addon.servers.prompts import Counted, NotRendered
 from addon.servers.upstream import Upstream
 
 
@@ -61,8 +61,7 @@ class NextLeg:
         self._servers = servers
         self.asks_ids = asks_ids
         self.renderings = Renderings(servers, body) if servers is not None else None
-        # The token counts the answer's room checks asked for (see room_needed).
-        self._counted: dict[tuple[str, str | None, str], int] = {}
+        self._counted = Counted()  # for the answer's room checks (see room_needed)
 
     async def request(
         self,
@@ -362,7 +361,7 @@ class NextLeg:
         text, *ids = prompt if isinstance(prompt, list) else [prompt]
         if isinstance(text, str) and all(isinstance(i, int) for i in ids):
             tokenizer = self._servers.get(upstream).tokenizer
-            self._counted[upstream.url, tokenizer, text] = evaluated - len(ids)
+            self._counted.put((upstream.url, tokenizer, text), evaluated - len(ids))
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before

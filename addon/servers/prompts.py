@@ -17,6 +17,26 @@ from addon.servers.upstream import Upstream
 Ask = Callable[[str, Any], Awaitable[Any]]  # (path, JSON body) -> the JSON answer
 
 
+class Counted:
+    """The token counts of texts as servers read them (by server, tokenizer and text):
+    the latest few an answer's room checks asked or a shadow's prefill told. A text
+    continuation's text grows with the answer, so each check may add one: only KEPT stay."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str | None, str], int] = {}
+
+    def get(self, key: tuple[str, str | None, str]) -> int | None:
+        return self._counts.get(key)
+
+    def put(self, key: tuple[str, str | None, str], count: int) -> None:
+        self._counts.pop(key, None)
+        self._counts[key] = count
+        while len(self._counts) > self.KEPT:
+            del self._counts[next(iter(self._counts))]
+
+
 class NotRendered(Exception):
     """A server did not render a chat request; the message says why."""
 
@@ -91,7 +111,7 @@ class PromptQuestions:
         body: dict[str, Any],
         room: int,
         bound: int | None,
-        counted: dict[tuple[str, str | None, str], int] | None = None,
+        counted: Counted | None = None,
     ) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
         may still write; None when the server cannot tell. When `bound` (from its size)
@@ -108,18 +128,19 @@ class PromptQuestions:
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None
-        counted = {} if counted is None else counted
+        counted = Counted() if counted is None else counted
         tokenizer = self.get(upstream).tokenizer
         count = 0
         for part in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(part, int):
                 count += 1
                 continue
-            if (key := (upstream.url, tokenizer, part)) not in counted:
+            if (known := counted.get(key := (upstream.url, tokenizer, part))) is None:
                 try:
                     tokens = await self._ask(upstream, "/tokenize", {"content": part})
-                    counted[key] = len(tokens["tokens"])
+                    known = len(tokens["tokens"])
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     return None
-            count += counted[key]
+                counted.put(key, known)
+            count += known
         return count + (token_limit(body) or 0)
