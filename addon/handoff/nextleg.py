@@ -360,8 +360,7 @@ class NextLeg:
             return
         text, *ids = prompt if isinstance(prompt, list) else [prompt]
         if isinstance(text, str) and all(isinstance(i, int) for i in ids):
-            tokenizer = self._servers.get(upstream).tokenizer
-            self._counted.put((upstream.url, tokenizer, text), evaluated - len(ids))
+            self._servers.keep_count(self._counted, upstream, text, evaluated - len(ids))
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before

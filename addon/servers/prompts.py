@@ -129,18 +129,25 @@ class PromptQuestions:
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None
         counted = Counted() if counted is None else counted
-        tokenizer = self.get(upstream).tokenizer
         count = 0
         for part in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(part, int):
                 count += 1
                 continue
-            if (known := counted.get(key := (upstream.url, tokenizer, part))) is None:
+            if (known := counted.get(self._count_key(upstream, part))) is None:
                 try:
                     tokens = await self._ask(upstream, "/tokenize", {"content": part})
                     known = len(tokens["tokens"])
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     return None
-                counted.put(key, known)
+                self.keep_count(counted, upstream, part, known)
             count += known
         return count + (token_limit(body) or 0)
+
+    def keep_count(self, counted: Counted, upstream: Upstream, text: str, count: int) -> None:
+        """Keep in `counted` the tokens `upstream` makes of `text`, for `room_needed`."""
+        counted.put(self._count_key(upstream, text), count)
+
+    def _count_key(self, upstream: Upstream, text: str) -> tuple[str, str | None, str]:
+        # By its tokenizer too: a server learnt again with another model counts afresh.
+        return upstream.url, self.get(upstream).tokenizer, text
