@@ -5,6 +5,7 @@ the request itself."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +45,19 @@ class Resume:
     async def prepare(self, upstream: Upstream, handoff: Handoff) -> Prepared:
         """The continuation `handoff` asks of `upstream`, or why there is none. A slot
         it names in `restored` is `release`d by the caller once the leg has ended."""
-        if (changed := await self._changed(upstream)) is not None:
+        # The server is asked whether it changed while a shadow update in flight there
+        # ends: each is a wait in the pause, and neither needs the other's answer.
+        recheck = asyncio.ensure_future(self._changed(upstream))
+        try:
+            shadowed = await self._fleet.shadows.settled(self._answer, upstream)
+            changed = await recheck
+        finally:
+            recheck.cancel()  # (done: a no-op; the leg cancelled meanwhile: asks no more)
+        if changed is not None:
             return Prepared(changed)
         restored = None
         try:
-            restored = await self._carry_state(upstream, handoff)
+            restored = None if shadowed else await self._migrated(upstream, handoff)
             judge = self._judge(upstream, handoff) if restored is not None else None
             request = await self._next.request(upstream, handoff, restored is not None, judge)
         except Exception as exc:  # one answer's odd shape must not end it unexplained
@@ -76,11 +85,9 @@ class Resume:
             return None  # learnt again, and it still continues: the leg uses what is known now
         return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
 
-    async def _carry_state(self, upstream: Upstream, handoff: Handoff) -> int | None:
-        """Let a shadow prefill in flight on `upstream` end; where none holds the answer,
-        move its KV state there when a migration should (the slot it is in)."""
-        if await self._fleet.shadows.settled(self._answer, upstream):
-            return None  # the shadow's slot holds almost all of it
+    async def _migrated(self, upstream: Upstream, handoff: Handoff) -> int | None:
+        """Where no shadow's slot holds the answer, its KV state moved to `upstream` when a
+        migration should: the slot it is in."""
         if (migrator := self._fleet.migrating) is None:
             return None
         return await migrator.for_handoff(self._next, self._fleet.servers, upstream, handoff)
