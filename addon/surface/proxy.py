@@ -70,6 +70,9 @@ class Spillover:
         # A line per request of the addon's own client (a /health question every second)
         # would drown what an operator reads; its failures are said where they matter.
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        # httpcore's trace of each request (a dozen debug records) is never shown, but
+        # mitmproxy's root logger takes every record and passes it to each addon.
+        logging.getLogger("httpcore").setLevel(logging.INFO)
         loader.add_option(
             "spillover_fallbacks", str, "",
             "Comma-separated fallback servers, in the order to try them "
