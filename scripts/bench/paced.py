@@ -47,17 +47,17 @@ from pathlib import Path
 from typing import Any
 
 from addon.handoff.exact import asking_for_ids
-from scripts.bench.splice import MESSAGES, SseSource, read_stream, served, wait_for_tokenizers
+from scripts.bench.splice import (
+    MESSAGES,
+    SseSource,
+    cpu_seconds,
+    read_stream,
+    served,
+    wait_for_tokenizers,
+)
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.workers import SpilloverWorkers
-from watchers import cputime
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU time of these processes so far (none: 0)."""
-    return cputime.cpu_seconds(frozenset(pids)) or 0.0
-
 
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 PLAIN_IDS = "plain, ids chunks"  # plain mitmdump, its client asking for the addon's ids

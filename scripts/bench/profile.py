@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from scripts.bench.paced import cpu_seconds, paced_streams
-from scripts.bench.splice import SseSource, wait_for_tokenizers
+from scripts.bench.paced import paced_streams
+from scripts.bench.splice import SseSource, cpu_seconds, wait_for_tokenizers
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump
 

@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,7 @@ from scripts.parts.processes import ManagedProcess, running
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.tinymodels import ensure_models
-from watchers.cputime import cpu_seconds
+from watchers import cputime
 
 SENT = re.compile(rb'"sent_ns":(\d+)')
 
@@ -86,6 +87,11 @@ async def read_stream(
 
 # One real message: with none, the addon never asks for token ids (nothing to replay).
 MESSAGES = [{"role": "user", "content": "Count to a thousand."}]
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU time of these processes so far (none of them there: 0)."""
+    return cputime.cpu_seconds(frozenset(pids)) or 0.0
 
 
 async def throughput(port: int, streams: int, chunks: int) -> float:
@@ -159,9 +165,9 @@ def overhead(quick: bool, work: Path) -> None:
                 one = asyncio.run(throughput(port, 1, single))
                 many = asyncio.run(throughput(port, 32, multi))
                 p50, p95 = asyncio.run(latency(port, paced))
-                used = cpu_seconds(pids) or 0.0
+                used = cpu_seconds(pids)
                 answers = asyncio.run(short_answers(port, short, 64))
-                per_answer = 1000 * ((cpu_seconds(pids) or 0.0) - used) / short
+                per_answer = 1000 * (cpu_seconds(pids) - used) / short
             check_path(name, before, served(source))
             results[name] = (one, many, p50, p95, answers, per_answer)
     plain = results["plain mitmdump"]
