@@ -43,7 +43,7 @@ async def counts(url: str) -> dict[str, int]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             rendered = await client.post("/apply-template", json={"messages": [QUESTION]})
         body = {"prompt": [rendered.json()["prompt"], *IDS], "n_predict": LIMIT}
-        asked = await servers.room_needed(upstream, body, room=1, bound=None)
+        asked = await servers.room_needed(upstream, body, room=1, bound=None, counted=Counted())
         budget = ShadowBudget(lambda _: {})
         try:
             answer = await budget.prefill(url, "/completion", prompt_only("/completion", body))

@@ -111,7 +111,7 @@ class PromptQuestions:
         body: dict[str, Any],
         room: int,
         bound: int | None,
-        counted: Counted | None = None,
+        counted: Counted,
     ) -> int | None:
         """Tokens the request takes on this server: its rendered prompt plus the tokens it
         may still write; None when the server cannot tell. When `bound` (from its size)
@@ -128,7 +128,6 @@ class PromptQuestions:
         prompt = body.get("prompt")
         if prompt is None and (prompt := await self.render(upstream, body)) is None:
             return None
-        counted = Counted() if counted is None else counted
         count = 0
         for part in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(part, int):
