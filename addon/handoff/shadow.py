@@ -156,7 +156,7 @@ class Shadow:
         transcript: Transcript,
         target: Upstream,
         budget: ShadowBudget,
-        moving: Callable[[], bool] = lambda: False,
+        moving: Callable[[], bool],
     ) -> None:
         """`moving()`: whether a handoff of the answer is being decided or made now."""
         self.target = target
