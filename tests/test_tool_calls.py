@@ -54,7 +54,12 @@ TOOLS = [{
 }]  # fmt: skip
 QUESTION = [{"role": "user", "content": "Tell me about the river."}]
 REQUIRED = {"tool_choice": "required"}
-WORDS_THEN_CALL = {**REQUIRED, "logit_bias": [["{", 15]]}  # Llama 3.1: 28 words, a call
+# Llama 3.1's template prints today's date into the prompt, and what the model writes
+# depends on it (on 6 Dec 2026, no words before the call): the date is the request's own.
+WORDS_THEN_CALL = {
+    **REQUIRED, "logit_bias": [["{", 15]],
+    "chat_template_kwargs": {"date_string": "05 Dec 2026"},  # words, then a call
+}  # fmt: skip
 ANSWER = 100
 CUT = 8  # chunks: the role, then 7 words
 
