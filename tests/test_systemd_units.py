@@ -108,11 +108,18 @@ def test_system_units_run_under_systemd_restart_and_start_again_at_boot(
         inside("systemctl", "stop", "spillover-guard")
         with socket.create_server(("127.0.0.1", listen)):
             inside("systemctl", "start", "spillover-guard")
-            time.sleep(3)
-            shown = inside(
-                "systemctl", "show", "-p", "ActiveState,ExecMainStatus,NRestarts",
-                "spillover-guard",
-            )  # fmt: skip
+            # Until it has ended (a loaded machine starts its Python late), 3 s at least:
+            # a guard restarting every second would show it by then.
+            deadline, ended = time.monotonic() + 30, time.monotonic() + 3
+            while True:
+                shown = inside(
+                    "systemctl", "show", "-p", "ActiveState,ExecMainStatus,NRestarts",
+                    "spillover-guard",
+                )  # fmt: skip
+                now = time.monotonic()
+                if now > deadline or (now > ended and "ActiveState=failed" in shown.split()):
+                    break
+                time.sleep(0.2)
         assert sorted(shown.split()) == [
             "ActiveState=failed",
             f"ExecMainStatus={CANNOT_START}",
