@@ -69,9 +69,11 @@ class Tap:
         except OSError:
             pass
         finally:
-            for end in (source, sink):
-                with suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
+            # The close is passed on one way, as a TCP relay does: what the other side
+            # still sends (a server's last bytes after its client closed) is read, and
+            # seen, until it closes in turn.
+            with suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
 
     def _watch(self, data: bytes) -> int | None:
         """Where to cut `data` (a server that dies), or None to forward it all."""
