@@ -1,5 +1,6 @@
 """The addon reads chunks with msgspec and falls back to json: the value (or the refusal)
-is always json.loads's, whatever a server sends."""
+is always json.loads's, whatever a server sends. It writes request bodies the same way:
+what it writes reads back as what json.dumps writes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import struct
 
 import pytest
 
-from addon.formats.shape import loads
+from addon.formats.shape import dumps, loads
 
 CASES = [
     b'{"choices":[{"index":0,"delta":{"content":" world"},"finish_reason":null}]}',
@@ -46,3 +47,17 @@ def test_floats_round_as_json_rounds_them() -> None:
             if text in ("nan", "inf", "-inf"):
                 continue
             assert repr(loads(text.encode())) == repr(json.loads(text)), text
+
+
+@pytest.mark.parametrize("raw", CASES)
+def test_what_is_written_reads_as_jsons(raw) -> None:
+    value = json.loads(raw)
+    assert repr(json.loads(dumps(value))) == repr(json.loads(json.dumps(value)))
+
+
+def test_a_prompt_of_ids_is_written_by_msgspec_and_anything_it_would_change_by_json() -> None:
+    ids = {"prompt": list(range(32000)), "temperature": 0.7, "stop": ["\n"]}
+    assert dumps(ids) == json.dumps(ids, separators=(",", ":")).encode()  # msgspec's
+    for odd in (float("nan"), float("inf"), "\ud800"):
+        body = {"prompt": [1, 2], "temperature": odd}
+        assert dumps(body) == json.dumps(body).encode()  # NaN as NaN, never null

@@ -10,7 +10,6 @@ CPU build cannot run."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.mitm import Mitmdump
 from scripts.testbed.openai_upstream import OpenAIUpstream
 from scripts.testbed.prompts import chat_body
-from scripts.testbed.replay import read_flows
+from scripts.testbed.replay import legs_to
 from scripts.testbed.vllmserver import SERVED_NAME, VllmServer
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_vllm import vllm, vllm_twin  # noqa: F401 (fixtures)
@@ -67,15 +66,6 @@ def test_a_field_a_declared_server_may_not_read_ends_the_answer(
         assert "whether it reads top_k (top-k) is not known" in error["error"]["message"]
         assert hosted.url in error["error"]["message"] and stream.done == 0
     hosted.close()
-
-
-def legs_to(flows: Path, port: int) -> list[dict[str, Any]]:
-    """The bodies of the answer's legs sent to the server at `port`."""
-    return [
-        json.loads(flow.request.content) for flow in read_flows(flows)
-        if flow.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
-        and flow.request.port == port
-    ]  # fmt: skip
 
 
 def handed_off(proxy: Mitmdump, body: dict[str, Any]) -> RawStream:

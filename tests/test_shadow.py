@@ -17,6 +17,7 @@ import pytest
 
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
+from scripts.testbed.replay import legs_to
 from scripts.testbed.victims import changed, victim_body
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
@@ -92,16 +93,33 @@ def twins(start_server_module, start_proxy_module):
     return first, second, proxies
 
 
-def test_a_shadowed_handoff_reads_only_the_tail_and_says_the_same(twins) -> None:
-    first, _, proxies = twins
+def test_a_shadowed_handoff_reads_only_the_tail_and_says_the_same(
+    twins, start_proxy, tmp_path: Path
+) -> None:
+    """The shadow's target is sent the prompt again and again: after its first update,
+    as its own ids of the rendering, and the continuation too. The same tokens: the
+    continuation finds them in the slot, and says what the one sent as text says."""
+    first, second, proxies = twins
+    flows = tmp_path / "flows.mitm"
+    recorded = [f"save_stream_file={flows}", "spillover_shadow=always", *NO_STALLS]
+    proxy = start_proxy(first.url, [second.url], options=recorded)
+    wait_until_known(proxy, [first.url, second.url])
     cold = cut_while_held(proxies["off"], first, shadowed=False)
-    warm = cut_while_held(proxies["always"], first, shadowed=True)
+    warm = cut_while_held(proxy, first, shadowed=True)
     assert warm.text == cold.text  # the same continuation, shadow or not
     cold_read, warm_read = last_timings(cold), last_timings(warm)
     prompt = cold_read["prompt_n"] + cold_read.get("cache_n", 0)
     assert prompt > 1500  # the whole prompt and answer so far...
     assert warm_read["cache_n"] >= prompt - 40  # ...was in the shadow's slot already
     assert warm_read["prompt_n"] <= 40  # only the tail was read at the handoff
+    proxy.stop()  # the recording is whole
+    (leg,) = legs_to(flows, second.port)
+    rendering = CONTROL.post(f"{second.url}/apply-template", json=long_body()).json()["prompt"]
+    tokens = {"content": rendering, "add_special": True}
+    own = CONTROL.post(f"{second.url}/tokenize", json=tokens).json()["tokens"]
+    assert all(type(token) is int for token in leg["prompt"])
+    assert leg["prompt"][: len(own)] == own  # its own ids of the rendering...
+    assert len(leg["prompt"]) == len(own) + warm.segment_tokens[0]  # ...and the answer's
 
 
 def test_shadows_end_with_their_answers(twins) -> None:

@@ -338,15 +338,15 @@ def test_a_native_continuation_keeps_the_sampling_settings_and_counts_down() -> 
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
         "temperature": 0.3, "seed": 7, "stop": ["\n"], "tools": None, "top_logprobs": 3,
     }  # fmt: skip
-    native = native_body(body, "<prompt>", [4, 5, 6], produced=3, pieces=True)
+    native = native_body(body, ["<prompt>", 4, 5, 6], produced=3, pieces=True)
     assert native["prompt"] == ["<prompt>", 4, 5, 6] and native["n_predict"] == 47
     assert native["temperature"] == 0.3 and native["seed"] == 7 and native["stop"] == ["\n"]
     assert "messages" not in native and "max_tokens" not in native
     assert native["n_probs"] == 1 and native["post_sampling_probs"] is True
-    asked = native_body({**body, "logprobs": True}, "<prompt>", [4], produced=1, pieces=False)
+    asked = native_body({**body, "logprobs": True}, ["<prompt>", 4], produced=1, pieces=False)
     assert asked["n_probs"] == 3 and asked["post_sampling_probs"] is False
     # Pieces neither kept nor asked for by the client: none asked of the server.
-    assert "n_probs" not in native_body(body, "<prompt>", [], produced=1, pieces=False)
+    assert "n_probs" not in native_body(body, ["<prompt>"], produced=1, pieces=False)
 
 
 CHUNKS_WITH_PIECES = [

@@ -110,14 +110,15 @@ def first_leg_asks(
 
 
 def native_body(
-    body: dict[str, Any], prompt: str, ids: list[int], produced: int, pieces: bool
+    body: dict[str, Any], prompt: list[str | int], produced: int, pieces: bool
 ) -> dict[str, Any]:
     """A native /completion request that goes on from `prompt` (the rendered chat
-    prompt) and the answer's token ids, with the chat request's sampling settings;
+    prompt, as text or its ids, and the answer's token ids where they are replayed),
+    with the chat request's sampling settings;
     asking for each token's piece where the client asked for logprobs or `pieces` (the
     answer's are being kept, and taken out again before the client sees them)."""
     native = {k: copy.deepcopy(v) for k, v in body.items() if k not in CHAT_ONLY}
-    native["prompt"] = [prompt, *ids]
+    native["prompt"] = prompt
     native["stream"] = True
     if (limit := token_limit(body)) is not None:
         native["n_predict"] = max(1, limit - produced)

@@ -1,7 +1,8 @@
 """llama-server's terms (a router's too): it renders any chat request on asking
 (`/apply-template`), so what its model saw and what a trailing message would read are
 both its own text; its native `/completion` goes on from a text prompt, followed by
-token ids where they are known (handoff/exact.py)."""
+token ids where they are known (handoff/exact.py), or from its own ids of that text where
+they were asked (handoff/renderings.py)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ class LlamaServerTerms:
         saw: Callable[[], Awaitable[str]],
         render: Render,
         ask: specials.Ask,
+        ids_of: Callable[[str], list[int] | None],
         routed: bool = False,
     ) -> None:
         """`saw`: its rendering of `original` (asked once per answer); `render`: its
         rendering of any chat request (both raise NotRendered); `ask`: its own questions;
-        `routed`: a router, asked about `model`."""
+        `ids_of`: its own ids of a rendering, where had already; `routed`: a router, asked
+        about `model`."""
         self.url = url
         self._model = model
         self._original = original
@@ -40,6 +43,7 @@ class LlamaServerTerms:
         self._saw = saw
         self._render = render
         self._ask = ask
+        self._ids_of = ids_of
         self._routed = routed
 
     async def saw(self) -> Prompt:
@@ -64,14 +68,15 @@ class LlamaServerTerms:
         return await placing.placed(self._render, chat, truth.text or "", reasoning_open)
 
     def text_leg(self, truth: Prompt) -> Leg:
-        return self._native(truth.text or "", [], self._transcript.produced)
+        return self._native([truth.text or ""], self._transcript.produced)
 
     def ids_leg(self, saw: Prompt, ids: list[int]) -> Leg:
-        return self._native(saw.text or "", ids, len(ids))
+        text = saw.text or ""
+        return self._native([*(self._ids_of(text) or [text]), *ids], len(ids))
 
-    def _native(self, prompt: str, ids: list[int], replayed: int) -> Leg:
+    def _native(self, prompt: list[str | int], replayed: int) -> Leg:
         pieces = self._transcript.ids is not None  # the first leg asked for them
-        body = native_body(self._original, prompt, ids, self._transcript.produced, pieces)
+        body = native_body(self._original, prompt, self._transcript.produced, pieces)
         usage = mapping(self._original.get("stream_options")).get("include_usage") is True
         chat = NativeToChat(self._model, include_usage=usage, replayed=replayed)
         return "/completion", body, NativeRewriter(chat, ChunkRewriter(self._transcript, "", False))

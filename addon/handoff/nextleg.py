@@ -9,6 +9,7 @@ from typing import Any
 from addon.formats.continuation import prefill_of
 from addon.formats.continuers import CONTINUERS, RENDERED
 from addon.formats.dialect import Dialect, Rewriter
+from addon.formats.shape import dumps
 from addon.formats.startover import COMPARED, StartOverGuard, checkable
 from addon.formats.transcript import Transcript
 from addon.handoff import known, media, seen, specials, translated, vllm
@@ -60,8 +61,8 @@ class NextLeg:
         self.transcript = transcript
         self._servers = servers
         self.asks_ids = asks_ids
-        self.renderings = Renderings(servers, body) if servers is not None else None
         self._counted = Counted()  # for the answer's room checks (see room_needed)
+        self.renderings = Renderings(servers, body, self._counted) if servers else None
 
     async def request(
         self,
@@ -89,7 +90,7 @@ class NextLeg:
             if on_reading is not None and isinstance(rewriter, NativeRewriter):
                 body["timings_per_token"] = True
                 rewriter.on_reading = on_reading
-        return path, json.dumps(body).encode(), rewriter
+        return path, dumps(body), rewriter
 
     async def continuation(
         self, upstream: Upstream
@@ -238,8 +239,10 @@ class NextLeg:
         if info.engine in RENDERS_ON_ASKING:
             render = lambda chat: servers.rendering(upstream, chat)  # noqa: E731
             saw = lambda: self._chat_prompt_or_why(upstream)  # noqa: E731
+            ids_of = lambda text: renderings.ids_of(upstream, text)  # noqa: E731
+            asker, routed = servers.asker(upstream), info.engine == ROUTER
             return LlamaServerTerms(url, info.model, self.body, self.transcript, saw, render,
-                                    servers.asker(upstream), info.engine == ROUTER)  # fmt: skip
+                                    asker, ids_of, routed)  # fmt: skip
         if info.engine == vllm.ENGINE:
             model = servers.own_model(upstream, self.body.get("model")) or self.body.get("model")
             ids = self.asks_ids and self._first_engine() == vllm.ENGINE
@@ -353,7 +356,9 @@ class NextLeg:
         """Keep what a server said it read of a continuation's prompt (llama-server's
         `tokens_evaluated`, of a shadow's prefill): the count of its text, which the
         room check at a handoff then need not ask (the count includes a BOS the server
-        adds, which /tokenize leaves out: one token more room asked, never less)."""
+        adds, which /tokenize leaves out: one token more room asked, never less). The
+        server is sent that prompt again and again: its own ids of the rendering are
+        asked, to go in the text's place (handoff/renderings.py)."""
         prompt = body.get("prompt")
         evaluated = answer.get("tokens_evaluated") if isinstance(answer, dict) else None
         if not isinstance(evaluated, int) or self._servers is None:
@@ -361,6 +366,8 @@ class NextLeg:
         text, *ids = prompt if isinstance(prompt, list) else [prompt]
         if isinstance(text, str) and all(isinstance(i, int) for i in ids):
             self._servers.keep_count(self._counted, upstream, text, evaluated - len(ids))
+            if ids and self.renderings is not None:  # (its text alone: a text continuation)
+                self.renderings.ask_ids(upstream)
 
     async def fits(self, upstream: Upstream) -> bool:
         """Whether the rest of the answer, as it stands, fits on `upstream` (checked before

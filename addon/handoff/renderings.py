@@ -13,6 +13,12 @@ vLLM's ids as text), and a server of the same template goes on from that renderi
 instead of its own (a vLLM from its ids of that text). Where that rendering could not be
 had, the date the model read is not known: such a server is refused, saying so, rather
 than let it print its own.
+
+A rendering sent to a llama-server again and again (a shadow's updates, then the
+continuation) is read there as text each time: the server tokenizes the whole prompt for
+every request, in the pause too. Its own ids of it are then asked once, beside the answer,
+and sent in the text's place: the same tokens, as its /completion makes them of the text
+(checked against its own count of that text, from a request it read).
 """
 
 from __future__ import annotations
@@ -22,15 +28,21 @@ from typing import Any
 
 from addon.handoff import vllm
 from addon.servers.directory import ServerDirectory
-from addon.servers.prompts import NotRendered
+from addon.servers.engines import LLAMA_SERVER
+from addon.servers.prompts import Counted, NotRendered
 from addon.servers.upstream import Upstream
 
 
 class Renderings:
-    def __init__(self, servers: ServerDirectory, body: dict[str, Any]) -> None:
+    def __init__(self, servers: ServerDirectory, body: dict[str, Any], counted: Counted) -> None:
+        """`counted`: the answer's token counts of texts, as servers read them."""
         self._servers = servers
         self._body = body
+        self._counted = counted
         self._asked: dict[tuple[str, str | None], str] = {}  # (server, what it runs) -> it
+        # A server's own ids of its rendering, where they were asked: (what it runs, the
+        # text, its ids).
+        self._ids: dict[str, asyncio.Future[tuple[str | None, str, list[int]]]] = {}
         # The first server's template and its rendering as the answer began.
         self._dated: tuple[Upstream, str, asyncio.Future[str]] | None = None
 
@@ -52,6 +64,35 @@ class Renderings:
             saw = await self.dated(upstream)
             self._asked[key] = saw or await self._servers.rendering(upstream, self._body)
         return self._asked[key]
+
+    def ask_ids(self, upstream: Upstream) -> None:
+        """`upstream` (a llama-server) is sent its rendering again and again: its own
+        token ids of it are asked once, beside the answer (`ids_of`)."""
+        if upstream.url in self._ids or self._servers.get(upstream).engine != LLAMA_SERVER:
+            return
+        asked = asyncio.ensure_future(self._tokenized(upstream))
+        # Never awaited: a failure leaves the text in use.
+        asked.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._ids[upstream.url] = asked
+
+    def ids_of(self, upstream: Upstream, text: str) -> list[int] | None:
+        """`upstream`'s own ids of its rendering `text`, where they have been had already
+        (never waited for), it still runs what it ran then, and they are as many as the
+        tokens it read of that text in a request (a build whose /tokenize reads a text
+        another way than its /completion is never trusted); None otherwise."""
+        asked = self._ids.get(upstream.url)
+        if asked is None or not asked.done() or asked.cancelled() or asked.exception():
+            return None
+        identity, tokenized, ids = asked.result()
+        if identity != self._servers.get(upstream).identity or tokenized != text:
+            return None
+        read = self._servers.kept_count(self._counted, upstream, text)
+        return ids if read == len(ids) else None
+
+    async def _tokenized(self, upstream: Upstream) -> tuple[str | None, str, list[int]]:
+        identity = self._servers.get(upstream).identity
+        text = await self.of(upstream)
+        return identity, text, await self._servers.prompt_ids(upstream, text)
 
     async def dated(self, upstream: Upstream) -> str | None:
         """The first server's rendering as the answer began, for `upstream` whose template

@@ -31,6 +31,7 @@ import httpx
 
 from addon.formats.continuation import TOKEN_LIMIT_FIELDS
 from addon.formats.dialect import Dialect
+from addon.formats.shape import dumps
 from addon.formats.transcript import Transcript
 from addon.handoff.nextleg import NextLeg
 from addon.servers.slots import idle_slots
@@ -133,9 +134,8 @@ class ShadowBudget:
         return bool(idle_slots(response.raise_for_status().json()))
 
     async def prefill(self, server: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self.client.post(
-            f"{server}{path}", json=body, headers=self._headers(server)
-        )
+        headers = {**self._headers(server), "content-type": "application/json"}
+        response = await self.client.post(f"{server}{path}", content=dumps(body), headers=headers)
         return response.raise_for_status().json()
 
     async def close(self) -> None:

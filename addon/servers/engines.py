@@ -16,10 +16,11 @@ from typing import Any
 
 from addon.formats.shape import mapping
 
+LLAMA_SERVER = "llama-server"
 ROUTER = "llama-server router"
 # Engines that render a chat request on asking (`/apply-template`): what the model saw
 # can be compared with a continuation's prompt there.
-RENDERS_ON_ASKING = ("llama-server", ROUTER)
+RENDERS_ON_ASKING = (LLAMA_SERVER, ROUTER)
 OWNERS = {"llamacpp": "llama-server", "vllm": "vllm", "sglang": "sglang", "me": "llama-cpp-python"}
 # Each engine's tokenize route: (path, the field that takes the text, the extra fields
 # that keep special tokens out).

@@ -64,10 +64,19 @@ class PromptQuestions:
     async def count_tokens(self, upstream: Upstream, text: str) -> int | None:
         """How many tokens the server makes of `text` as a prompt."""
         try:
-            answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
-            return len(answer["tokens"])
+            return len(await self.prompt_ids(upstream, text))
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
+
+    async def prompt_ids(self, upstream: Upstream, text: str) -> list[int]:
+        """The token ids a llama-server makes of `text` as a prompt, as its /completion
+        does (special tokens added and parsed). Raises httpx.HTTPError, ValueError,
+        KeyError or TypeError."""
+        answer = await self._ask(upstream, "/tokenize", {"content": text, "add_special": True})
+        tokens = answer["tokens"]
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise TypeError(f"not token ids: {str(tokens)[:100]}")
+        return tokens
 
     async def _tokenized_chat(self, upstream: Upstream, body: dict[str, Any]) -> Any:
         """The answer of an engine whose tokenize route renders a chat request's messages
@@ -133,7 +142,7 @@ class PromptQuestions:
             if isinstance(part, int):
                 count += 1
                 continue
-            if (known := counted.get(self._count_key(upstream, part))) is None:
+            if (known := self.kept_count(counted, upstream, part)) is None:
                 try:
                     tokens = await self._ask(upstream, "/tokenize", {"content": part})
                     known = len(tokens["tokens"])
@@ -146,6 +155,10 @@ class PromptQuestions:
     def keep_count(self, counted: Counted, upstream: Upstream, text: str, count: int) -> None:
         """Keep in `counted` the tokens `upstream` makes of `text`, for `room_needed`."""
         counted.put(self._count_key(upstream, text), count)
+
+    def kept_count(self, counted: Counted, upstream: Upstream, text: str) -> int | None:
+        """The tokens `upstream` makes of `text`, where `counted` keeps them."""
+        return counted.get(self._count_key(upstream, text))
 
     def _count_key(self, upstream: Upstream, text: str) -> tuple[str, str | None, str]:
         # By its tokenizer too: a server learnt again with another model counts afresh.

@@ -57,6 +57,15 @@ def read_flows(path: Path) -> list[http.HTTPFlow]:
         return [flow for flow in io.FlowReader(f).stream() if isinstance(flow, http.HTTPFlow)]
 
 
+def legs_to(path: Path, port: int) -> list[dict[str, Any]]:
+    """The bodies of the legs a recording's answers sent to the server at `port`."""
+    return [
+        json.loads(flow.request.content or b"") for flow in read_flows(path)
+        if flow.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
+        and flow.request.port == port
+    ]  # fmt: skip
+
+
 def replay_file(path: Path, log_dir: Path | None = None) -> list[Outcome]:
     flows = read_flows(path)
     answers = [f for f in flows if "spillover" in f.metadata and f.response is not None]

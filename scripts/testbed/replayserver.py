@@ -128,5 +128,9 @@ def request_difference(recorded: Recorded) -> str | None:
         old, new = json.loads(before), json.loads(recorded.asked_with)
     except ValueError:
         return f"leg {recorded.meta['leg']}: request body differs"
+    if old == new:
+        return None  # written another way (spaces, the order of its keys): the same request
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return f"leg {recorded.meta['leg']}: request body differs"
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return f"leg {recorded.meta['leg']} request differs in {', '.join(changed)}"
