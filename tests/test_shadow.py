@@ -8,6 +8,7 @@ continuation must be the same text either way."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.replay import legs_to
+from scripts.testbed.replay import legs_to, read_flows
 from scripts.testbed.victims import changed, victim_body
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
@@ -303,3 +305,45 @@ def test_shadow_updates_never_change_another_answer(start_server, start_proxy) -
     assert len(beside) == 3 and min(beside.values()) >= 2, (before_victims, updates)
     log = fallback.log_path.read_text()
     assert "selected slot by id" not in log  # no request of the addon's named a slot
+
+
+def test_a_shadowed_continuation_sent_beside_its_recheck_is_dropped_where_the_server_changed(
+    models, server_logs: Path, start_server, start_proxy, tmp_path: Path
+) -> None:
+    """With a shadow's slot holding the answer, the continuation goes out while the
+    recheck runs. Here the fallback was restarted on its port after it was proven (the
+    same model, another context size: what it says it runs changed), with nothing to
+    tell the proxy but that recheck: the leg sent beside it is dropped unread, the
+    server is learnt again, and the continuation is built and sent again. What the
+    client reads after the cut is the server's own continuation of that request."""
+    primary = start_server("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    fallback = start_server("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    flows = tmp_path / "flows.mitm"
+    options = [f"save_stream_file={flows}", "spillover_shadow=always", *NO_STALLS]
+    proxy = start_proxy(primary.url, [fallback.url], options=options)
+    wait_until_known(proxy, [primary.url, fallback.url])
+    fallback.stop()
+    restarted = LlamaServer(
+        models["primary"], port=fallback.port, ctx_size=12288, slots=2,
+        extra_args=SAME_BATCHES, log_dir=server_logs,
+    ).start()  # fmt: skip
+    try:
+        stream = cut_while_held(proxy, primary, shadowed=True)
+        assert proxy.servers_known()[fallback.url]["slot_context"] == 12288 // 2  # learnt again
+        proxy.stop()  # the recording is whole
+        dropped, sent = (
+            flow for flow in read_flows(flows)
+            if flow.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
+            and flow.request.port == fallback.port
+        )  # fmt: skip
+        assert "the server changed" in dropped.metadata["spillover_exchange"]["error"]
+        assert sent.metadata["spillover_exchange"]["outcome"] == "complete"
+        body = json.loads(sent.request.content or b"")
+        rest = ANSWER - stream.segment_tokens[0]
+        own = CONTROL.post(
+            f"{restarted.url}/completion",
+            json={**body, "stream": False, "n_predict": rest, "n_probs": 0},
+        ).json()["content"]
+        assert stream.segments[1] == own
+    finally:
+        restarted.stop()

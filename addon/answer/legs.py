@@ -17,7 +17,7 @@ from addon.answer.fleet import Fleet
 from addon.answer.notes import Notes
 from addon.answer.pace import Pace
 from addon.answer.pump import Pump
-from addon.answer.resume import Resume
+from addon.answer.resume import AGAIN, Resume
 from addon.formats.dialect import Adapter, Dialect, Rewriter
 from addon.formats.transcript import Transcript
 from addon.formats.wire import ClientStream, Header
@@ -67,38 +67,51 @@ class Legs:
         self.early.new_leg()
         limits = self.fleet.pace
         self.pace = Pace(time.monotonic(), limits) if limits.enabled() else None
-        restored: int | None = None  # a migration's slot on `upstream` that holds the answer
+        if not self.handoffs:
+            body = self.raw_body
+            if upstream != self.primary:
+                own = self.fleet.servers.own_model(upstream, self.body.get("model"))
+                body = rerouted(self.body, body, own)
+            return await self._kept(client, upstream, self.path, body, None)
         try:
-            if not self.handoffs:
-                body = self.raw_body
-                if upstream != self.primary:
-                    own = self.fleet.servers.own_model(upstream, self.body.get("model"))
-                    body = rerouted(self.body, body, own)
-                path, rewriter = self.path, None
-            else:
-                prepared = await self.resume.prepare(upstream, self.handoffs[-1])
-                request, restored = prepared.request, prepared.restored
-                if isinstance(request, str) or restored is None:
-                    self.notes.tell(client, self.handoffs)
-                else:
-                    # What the restore saved is known at its first token: told with it.
-                    self._tell_at_first_byte = True
-                if isinstance(request, str):
-                    return request
-                path, body, rewriter = request
-            return await self._kept(client, upstream, path, body, rewriter)
+            failure = await self._continued(client, upstream, at_once=True)
+            if failure == AGAIN:  # (the client has read nothing of it)
+                failure = await self._continued(client, upstream, at_once=False)
+            return failure
         finally:
             if self._tell_at_first_byte:  # the leg ended before its first byte
                 self._tell_at_first_byte = False
                 self.notes.tell(client, self.handoffs)
+
+    async def _continued(
+        self, client: ClientStream, upstream: Upstream, at_once: bool
+    ) -> str | None:
+        """The leg that continues the answer on `upstream` after the last handoff."""
+        prepared = await self.resume.prepare(upstream, self.handoffs[-1], at_once)
+        request, restored = prepared.request, prepared.restored
+        try:
+            if isinstance(request, str) or (restored is None and prepared.unchecked is None):
+                self.notes.tell(client, self.handoffs)
+            else:
+                # Told with its first token: what a restore saved is known then, and a
+                # request sent beside its recheck may yet be built again.
+                self._tell_at_first_byte = True
+            if isinstance(request, str):
+                return request
+            path, body, rewriter = request
+            return await self._kept(client, upstream, path, body, rewriter, prepared.unchecked)
+        finally:
+            if prepared.unchecked is not None:
+                prepared.unchecked.cancel()
             if restored is not None:
                 self.resume.release(upstream, restored)
 
     async def _kept(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
-        rewriter: Rewriter | None,
+        rewriter: Rewriter | None, unchecked: asyncio.Future[str | None] | None = None,
     ) -> str | None:  # fmt: skip
-        """The leg, as an exchange shown in mitmweb and recorded where legs are kept."""
+        """The leg, as an exchange shown in mitmweb and recorded where legs are kept;
+        `unchecked`: a recheck whose word (None, or why not) the leg's answer waits for."""
         headers = self.fleet.credentials.leg_headers(
             upstream.url, self.headers, upstream == self.primary, self.accepted
         )
@@ -108,7 +121,7 @@ class Legs:
         )  # fmt: skip
         try:
             failure = await self._exchange(
-                client, upstream, path, body, headers, rewriter, exchange
+                client, upstream, path, body, headers, rewriter, exchange, unchecked
             )
         except asyncio.CancelledError:
             self._show(exchange, "handed off" if self.handing_off() else "cancelled")
@@ -132,6 +145,7 @@ class Legs:
     async def _exchange(
         self, client: ClientStream, upstream: Upstream, path: str, body: bytes,
         headers: list[Header], rewriter: Rewriter | None, exchange: Exchange,
+        unchecked: asyncio.Future[str | None] | None,
     ) -> str | None:  # fmt: skip
         fleet, pace = self.fleet, self.pace
         if pace is not None:
@@ -146,6 +160,9 @@ class Legs:
         except UpstreamError as exc:
             fleet.mark_down(upstream, str(exc))
             return str(exc)
+        if unchecked is not None and (changed := await unchecked) is not None:
+            response.close()  # unread: built for what the server no longer is
+            return changed
         exchange.respond(response.status, response.headers)
         if pace is not None:
             pace.saw(time.monotonic())

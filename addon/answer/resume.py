@@ -1,14 +1,21 @@
 """What a continuation on a server needs before its request goes out: the server still
 admitted (asked again now, in case it changed since it was proven), the answer's state
 carried there where that should be done (a shadow's prefill, or a KV migration), and
-the request itself."""
+the request itself.
+
+Where a shadow's slot holds the answer, the pause is what is left: the recheck, and a
+decode step or two on the server. The request then goes out while the recheck still
+runs, built from what was known of the server, and none of its answer reaches the client
+until the recheck says the server is what it was built for (`Prepared.unchecked`); where
+it is not, that leg is dropped unread and the continuation is built again after the
+recheck, as anywhere else."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from addon.answer.fleet import Fleet
@@ -20,11 +27,17 @@ from addon.servers.upstream import Upstream
 log = logging.getLogger(__name__)
 
 
+AGAIN = "the server changed while its continuation went out: built again"
+
+
 @dataclass(frozen=True)
 class Prepared:
     # Path, body and how to rewrite its chunks; or why there is no continuation there.
     request: tuple[str, bytes, Rewriter] | str
     restored: int | None = None  # a migration's slot there that holds the answer
+    # A recheck still running as the request goes out: None where the server is what
+    # the request was built for, else AGAIN. Awaited before the leg's answer is read.
+    unchecked: asyncio.Future[str | None] | None = None
 
 
 class Resume:
@@ -42,22 +55,35 @@ class Resume:
         self._primary = primary
         self._admits = admits
 
-    async def prepare(self, upstream: Upstream, handoff: Handoff) -> Prepared:
+    async def prepare(self, upstream: Upstream, handoff: Handoff, at_once: bool = True) -> Prepared:
         """The continuation `handoff` asks of `upstream`, or why there is none. A slot
-        it names in `restored` is `release`d by the caller once the leg has ended."""
+        it names in `restored` is `release`d by the caller once the leg has ended; a
+        recheck in `unchecked` is cancelled by the caller once the leg has ended.
+        `at_once`: the request may go out while the recheck runs (see above)."""
+        servers = self._fleet.servers
+        trusted = upstream not in servers.unverified
         # The server is asked whether it changed while a shadow update in flight there
         # ends: each is a wait in the pause, and neither needs the other's answer.
-        recheck = asyncio.ensure_future(self._changed(upstream))
+        recheck = asyncio.ensure_future(servers.recheck(upstream, upstream != self._primary))
+        unchecked = None  # (set: the recheck is the caller's)
         try:
             shadowed = await self._fleet.shadows.settled(self._answer, upstream)
-            changed = await recheck
+            if shadowed and at_once:
+                built = await self._built(upstream, handoff, migrate=False)
+                unchecked = asyncio.ensure_future(self._confirmed(upstream, recheck, trusted))
+                return replace(built, unchecked=unchecked)
+            changed = self._changed(upstream, await recheck)
         finally:
-            recheck.cancel()  # (done: a no-op; the leg cancelled meanwhile: asks no more)
+            if unchecked is None:  # (done: a no-op; the leg cancelled meanwhile: asks no more)
+                recheck.cancel()
         if changed is not None:
             return Prepared(changed)
+        return await self._built(upstream, handoff, migrate=not shadowed)
+
+    async def _built(self, upstream: Upstream, handoff: Handoff, migrate: bool) -> Prepared:
         restored = None
         try:
-            restored = None if shadowed else await self._migrated(upstream, handoff)
+            restored = await self._migrated(upstream, handoff) if migrate else None
             judge = self._judge(upstream, handoff) if restored is not None else None
             request = await self._next.request(upstream, handoff, restored is not None, judge)
         except Exception as exc:  # one answer's odd shape must not end it unexplained
@@ -75,15 +101,25 @@ class Resume:
         assert moved is not None
         return lambda timings: self._fleet.migrator.judge(upstream.url, moved, timings)
 
-    async def _changed(self, upstream: Upstream) -> str | None:
-        """Why `upstream` may no longer take this continuation: it changed since it was
-        proven (asked now, and learnt again where it did) and is no longer admitted."""
-        generate = upstream != self._primary  # a primary is asked nothing that generates
-        if (changed := await self._fleet.servers.recheck(upstream, generate)) is None:
-            return None
-        if self._admits(upstream):
+    def _changed(self, upstream: Upstream, changed: str | None) -> str | None:
+        """Why `upstream` may no longer take this continuation: it `changed` since it was
+        proven (the recheck's word: it was learnt again) and is no longer admitted."""
+        if changed is None or self._admits(upstream):
             return None  # learnt again, and it still continues: the leg uses what is known now
         return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
+
+    async def _confirmed(
+        self, upstream: Upstream, recheck: asyncio.Future[str | None], trusted: bool
+    ) -> str | None:
+        """None where the recheck says `upstream` runs what a request built before it
+        was built for (nothing changed, and its tokenizer is as trusted as it was); else
+        AGAIN."""
+        try:
+            changed = await recheck
+        finally:
+            recheck.cancel()
+        same = changed is None and trusted == (upstream not in self._fleet.servers.unverified)
+        return None if same else AGAIN
 
     async def _migrated(self, upstream: Upstream, handoff: Handoff) -> int | None:
         """Where no shadow's slot holds the answer, its KV state moved to `upstream` when a

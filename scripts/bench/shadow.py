@@ -5,12 +5,11 @@ models; reading a prompt takes visible time on a CPU), the same model on both si
 the continuation replays token ids. Side by side in one run, at prompts of about 512,
 2,048 and 7,000 tokens:
 
-- the pause at a handoff (note -> first fallback text) and the silence a client sees
-  (its last text from the primary -> the first from the fallback: the decision, the
-  checks and whatever the continuation waits for, which the note, written as the next
-  leg begins, leaves out) with no shadow and with shadows updated every 32, 8 and 1
-  tokens, next to one decode step of the fallback; the tokens the fallback read at the
-  handoff, and the extra tokens the shadow made it read over the answer;
+- the pause at a handoff (the proxy's own measure, from its decision to the next leg's
+  first byte, as its log says) and the silence a client sees (its last text from the
+  primary -> the first from the fallback) with no shadow and with shadows updated every
+  32, 8 and 1 tokens, next to one decode step of the fallback; the tokens the fallback
+  read at the handoff, and the extra tokens the shadow made it read over the answer;
 - the fallback's throughput for another client streaming on it, with and without a
   shadowed answer beside it, for a fallback running the same model and one running a
   smaller (4 x 256) model.
@@ -25,6 +24,7 @@ cold prefill.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import tempfile
 import threading
@@ -46,6 +46,7 @@ SETUPS = {"no shadow": ["spillover_shadow=off"]} | {
     f"shadow every {n}": ["spillover_shadow=always", f"spillover_shadow_every={n}"]
     for n in (32, 8, 1)
 }
+FIRST_BYTE = re.compile(r"first byte after ([0-9.]+) ms")  # the handoff's line in the log
 QUIET = ["spillover_stall_s=0", "spillover_slow_percent=0", "spillover_health_s=0"]
 
 
@@ -117,10 +118,11 @@ def one_handoff(proxy: Mitmdump, text: str, every: int | None) -> dict:
                         live = CONTROL.get(f"{proxy.url}/spillover/status").json()["live"]
                         shadow = live[0]["shadow"]
                     CONTROL.post(f"{proxy.url}/spillover/handoff")
-    if note_at is None or first_after is None or last_before is None:
+    paused = FIRST_BYTE.findall(proxy.log_path.read_text(errors="replace"))
+    if note_at is None or first_after is None or last_before is None or not paused:
         raise RuntimeError("no handoff happened")
     return {
-        "pause_ms": (first_after - note_at) * 1000,
+        "pause_ms": float(paused[-1]),
         "silence_ms": (first_after - last_before) * 1000,
         "read_at_handoff": timings.get("prompt_n"),
         "extra": None if shadow is None else shadow["computed_tokens"],
