@@ -62,9 +62,12 @@ class Resume:
         `at_once`: the request may go out while the recheck runs (see above)."""
         servers = self._fleet.servers
         trusted = upstream not in servers.unverified
+        generate = upstream != self._primary  # a primary is asked nothing that generates
         # The server is asked whether it changed while a shadow update in flight there
-        # ends: each is a wait in the pause, and neither needs the other's answer.
-        recheck = asyncio.ensure_future(servers.recheck(upstream, upstream != self._primary))
+        # ends: each is a wait in the pause, and neither needs the other's answer. What
+        # changed is learnt again here, not by the recheck: a request sent beside it may
+        # hold the server's only slot, which learning asks for.
+        recheck = asyncio.ensure_future(servers.recheck(upstream, generate, learn=False))
         unchecked = None  # (set: the recheck is the caller's)
         try:
             shadowed = await self._fleet.shadows.settled(self._answer, upstream)
@@ -72,12 +75,14 @@ class Resume:
                 built = await self._built(upstream, handoff, migrate=False)
                 unchecked = asyncio.ensure_future(self._confirmed(upstream, recheck, trusted))
                 return replace(built, unchecked=unchecked)
-            changed = self._changed(upstream, await recheck)
+            changed = await recheck
         finally:
             if unchecked is None:  # (done: a no-op; the leg cancelled meanwhile: asks no more)
                 recheck.cancel()
         if changed is not None:
-            return Prepared(changed)
+            await servers.learn_again(upstream, generate, changed)
+            if (refused := self._refusal(upstream, changed)) is not None:
+                return Prepared(refused)
         return await self._built(upstream, handoff, migrate=not shadowed)
 
     async def _built(self, upstream: Upstream, handoff: Handoff, migrate: bool) -> Prepared:
@@ -101,10 +106,10 @@ class Resume:
         assert moved is not None
         return lambda timings: self._fleet.migrator.judge(upstream.url, moved, timings)
 
-    def _changed(self, upstream: Upstream, changed: str | None) -> str | None:
+    def _refusal(self, upstream: Upstream, changed: str) -> str | None:
         """Why `upstream` may no longer take this continuation: it `changed` since it was
-        proven (the recheck's word: it was learnt again) and is no longer admitted."""
-        if changed is None or self._admits(upstream):
+        proven (learnt again since) and is no longer admitted."""
+        if self._admits(upstream):
             return None  # learnt again, and it still continues: the leg uses what is known now
         return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
 

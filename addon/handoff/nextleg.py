@@ -62,7 +62,7 @@ class NextLeg:
         self._servers = servers
         self.asks_ids = asks_ids
         self._counted = Counted()  # for the answer's room checks (see room_needed)
-        self.renderings = Renderings(servers, body, self._counted) if servers else None
+        self.renderings = None if servers is None else Renderings(servers, body, self._counted)
 
     async def request(
         self,

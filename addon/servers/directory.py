@@ -124,10 +124,10 @@ class ServerDirectory(PromptQuestions):
         finally:
             self._probing.pop(upstream, None)
 
-    async def recheck(self, upstream: Upstream, generate: bool) -> str | None:
+    async def recheck(self, upstream: Upstream, generate: bool, learn: bool = True) -> str | None:
         """Whether `upstream` still runs what it was proven on (what it says of its model
         and build, its tokenizer's ids of a probe text), asked now; where not, all of it
-        is learnt again before this returns (`generate`: as a fallback is asked), and
+        is learnt again before this returns (`learn_again`, unless `learn` is False), and
         what changed is returned. One that cannot be asked now is left as it was known
         (a leg sent there fails, and says why)."""
         info = self.info.get(upstream)
@@ -160,9 +160,15 @@ class ServerDirectory(PromptQuestions):
         if not changed:
             return None
         why = f"{' and '.join(changed)} changed since it was proven"
+        if learn:
+            await self.learn_again(upstream, generate, why)
+        return why
+
+    async def learn_again(self, upstream: Upstream, generate: bool, why: str) -> None:
+        """All of `upstream` learnt again, `why` (what changed) logged (`generate`: it may
+        be asked to write a token, as a fallback is)."""
         log.warning("%s: %s: learning it again", upstream.url, why)
         await self._probe_again(upstream, generate)
-        return why
 
     def get(self, upstream: Upstream) -> ServerInfo:
         return self.info.get(upstream) or ServerInfo()
