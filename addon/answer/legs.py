@@ -27,7 +27,7 @@ from addon.handoff.seen import prefill_echoed
 from addon.servers.credentials import redacted
 from addon.servers.engines import RENDERS_ON_ASKING
 from addon.servers.exchange import Exchange
-from addon.servers.upstream import Upstream, UpstreamError, post, sent_headers
+from addon.servers.upstream import Response, Upstream, UpstreamError, post, sent_headers
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,8 @@ class Legs:
         except UpstreamError as exc:
             fleet.mark_down(upstream, str(exc))
             return str(exc)
-        if unchecked is not None and (changed := await unchecked) is not None:
-            response.close()  # unread: built for what the server no longer is
-            return changed
+        if unchecked is not None and (changed := await self._checked(response, unchecked)):
+            return changed  # unread: built for what the server no longer is
         exchange.respond(response.status, response.headers)
         if pace is not None:
             pace.saw(time.monotonic())
@@ -208,6 +207,19 @@ class Legs:
         finally:
             self.pump = None
             response.close()
+
+    @staticmethod
+    async def _checked(response: Response, unchecked: asyncio.Future[str | None]) -> str | None:
+        """The recheck's word on a leg sent beside it; where it says no (or the leg is
+        cancelled meanwhile), the response is closed unread."""
+        try:
+            changed = await unchecked
+        except BaseException:
+            response.close()
+            raise
+        if changed is not None:
+            response.close()
+        return changed
 
     def _mark_finishing(self) -> None:
         self.finishing = True

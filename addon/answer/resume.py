@@ -54,6 +54,10 @@ class Resume:
         self._answer = answer  # the flow's id: its shadow's key
         self._primary = primary
         self._admits = admits
+        # What a recheck beside a leg it dropped said, for that handoff and server: the
+        # leg built again at once does not wait for the same questions again (a server
+        # that hangs on them: 5 s).
+        self._rechecked: tuple[Handoff, Upstream, str | None] | None = None
 
     async def prepare(self, upstream: Upstream, handoff: Handoff, at_once: bool = True) -> Prepared:
         """The continuation `handoff` asks of `upstream`, or why there is none. A slot
@@ -67,13 +71,18 @@ class Resume:
         # ends: each is a wait in the pause, and neither needs the other's answer. What
         # changed is learnt again here, not by the recheck: a request sent beside it may
         # hold the server's only slot, which learning asks for.
-        recheck = asyncio.ensure_future(servers.recheck(upstream, generate, learn=False))
+        rechecked, self._rechecked = self._rechecked, None
+        if rechecked is not None and rechecked[0] is handoff and rechecked[1] == upstream:
+            recheck = asyncio.ensure_future(_said(rechecked[2]))
+        else:
+            recheck = asyncio.ensure_future(servers.recheck(upstream, generate, learn=False))
         unchecked = None  # (set: the recheck is the caller's)
         try:
             shadowed = await self._fleet.shadows.settled(self._answer, upstream)
             if shadowed and at_once:
                 built = await self._built(upstream, handoff, migrate=False)
-                unchecked = asyncio.ensure_future(self._confirmed(upstream, recheck, trusted))
+                confirmed = self._confirmed(handoff, upstream, recheck, trusted)
+                unchecked = asyncio.ensure_future(confirmed)
                 return replace(built, unchecked=unchecked)
             changed = await recheck
         finally:
@@ -114,8 +123,9 @@ class Resume:
         return f"{upstream.url}: {changed}: {self._fleet.servers.get(upstream).continues_why}"
 
     async def _confirmed(
-        self, upstream: Upstream, recheck: asyncio.Future[str | None], trusted: bool
-    ) -> str | None:
+        self, handoff: Handoff, upstream: Upstream, recheck: asyncio.Future[str | None],
+        trusted: bool,
+    ) -> str | None:  # fmt: skip
         """None where the recheck says `upstream` runs what a request built before it
         was built for (nothing changed, and its tokenizer is as trusted as it was); else
         AGAIN."""
@@ -123,8 +133,10 @@ class Resume:
             changed = await recheck
         finally:
             recheck.cancel()
-        same = changed is None and trusted == (upstream not in self._fleet.servers.unverified)
-        return None if same else AGAIN
+        if changed is None and trusted == (upstream not in self._fleet.servers.unverified):
+            return None
+        self._rechecked = (handoff, upstream, changed)
+        return AGAIN
 
     async def _migrated(self, upstream: Upstream, handoff: Handoff) -> int | None:
         """Where no shadow's slot holds the answer, its KV state moved to `upstream` when a
@@ -132,3 +144,8 @@ class Resume:
         if (migrator := self._fleet.migrating) is None:
             return None
         return await migrator.for_handoff(self._next, self._fleet.servers, upstream, handoff)
+
+
+async def _said(changed: str | None) -> str | None:
+    """A recheck's word, had already."""
+    return changed
