@@ -24,7 +24,7 @@ from scripts.testbed.llamaserver import LlamaRouter, LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import watch_sysfs
 from scripts.testbed.prompts import PROMPT, chat_body
-from scripts.testbed.replay import read_flows
+from scripts.testbed.replay import leg_flows
 from tests.streams import assert_one_clean_stream, continuation, read_stream
 
 LONG = 300
@@ -194,11 +194,7 @@ def test_a_new_answer_goes_to_another_engine_as_the_client_sent_it(
     alone = direct.chat.completions.create(model=own, messages=PROMPT, max_tokens=40, temperature=0)
     assert text and text == alone.choices[0].message.content
     proxy.stop()  # the recording is whole
-    (leg,) = [
-        f for f in read_flows(flows_file)
-        if f.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
-        and f.request.port == new_turner.port
-    ]  # fmt: skip
+    (leg,) = leg_flows(flows_file, new_turner.port)
     sent = json.loads(leg.request.content)
     assert sent["model"] == own and {**sent, "model": "any"} == {
         "model": "any",

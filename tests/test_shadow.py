@@ -19,7 +19,7 @@ import pytest
 from scripts.testbed.llamaserver import LlamaServer
 from scripts.testbed.memfiles import FakeCard
 from scripts.testbed.mitm import Mitmdump, watch_sysfs
-from scripts.testbed.replay import legs_to, read_flows
+from scripts.testbed.replay import leg_flows, legs_to
 from scripts.testbed.victims import changed, victim_body
 from tests.streams import RawStream, assert_one_clean_stream, read_stream
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
@@ -332,11 +332,7 @@ def test_a_shadowed_continuation_sent_beside_its_recheck_is_dropped_where_the_se
         stream = cut_while_held(proxy, primary, shadowed=True)
         assert proxy.servers_known()[fallback.url]["slot_context"] == 6144  # learnt again
         proxy.stop()  # the recording is whole
-        dropped, sent = (
-            flow for flow in read_flows(flows)
-            if flow.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
-            and flow.request.port == fallback.port
-        )  # fmt: skip
+        dropped, sent = leg_flows(flows, fallback.port)
         assert "the server changed" in dropped.metadata["spillover_exchange"]["error"]
         assert sent.metadata["spillover_exchange"]["outcome"] == "complete"
         body = json.loads(sent.request.content or b"")

@@ -57,13 +57,18 @@ def read_flows(path: Path) -> list[http.HTTPFlow]:
         return [flow for flow in io.FlowReader(f).stream() if isinstance(flow, http.HTTPFlow)]
 
 
-def legs_to(path: Path, port: int) -> list[dict[str, Any]]:
-    """The bodies of the legs a recording's answers sent to the server at `port`."""
+def leg_flows(path: Path, port: int) -> list[http.HTTPFlow]:
+    """The legs a recording's answers sent to the server at `port`, in order."""
     return [
-        json.loads(flow.request.content or b"") for flow in read_flows(path)
+        flow for flow in read_flows(path)
         if flow.metadata.get("spillover_exchange", {}).get("purpose") == "leg"
         and flow.request.port == port
     ]  # fmt: skip
+
+
+def legs_to(path: Path, port: int) -> list[dict[str, Any]]:
+    """The bodies of the legs a recording's answers sent to the server at `port`."""
+    return [json.loads(flow.request.content or b"") for flow in leg_flows(path, port)]
 
 
 def replay_file(path: Path, log_dir: Path | None = None) -> list[Outcome]:
