@@ -88,8 +88,9 @@ HANDED_OFF: list[str] = []  # the drawn answers that were handed off, for the ch
 
 
 def drawn_body(drawn: dict[str, Any]) -> dict[str, Any]:
-    # Long enough to be still live when the ordinary stream beside it is 10 tokens in.
-    body = {**chat_body(800), "stream": drawn["stream"], **drawn["fields"]}
+    # Long enough to be still live when the ordinary stream beside it is 10 tokens in (26
+    # of the 80 draws are handed off at 300 tokens, as at 800).
+    body = {**chat_body(300), "stream": drawn["stream"], **drawn["fields"]}
     if drawn["last"] is not None:
         body["messages"] = [*PROMPT, drawn["last"]]
     return body
