@@ -18,6 +18,7 @@ import httpx
 
 from addon.servers.progress import Progress, progress_of
 from addon.servers.slots import working
+from addon.servers.tls import tls_context
 
 SLOTS_TIMEOUT_S = 2.0
 COUNTED_AGAIN_S = 1.0  # between the two readings of /metrics
@@ -26,7 +27,7 @@ COUNTED_AGAIN_S = 1.0  # between the two readings of /metrics
 async def still_reading(url: str, headers: dict[str, str]) -> str | None:
     """What the server is doing, in words; None when nothing (or it will not say)."""
     try:
-        async with httpx.AsyncClient(timeout=SLOTS_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=SLOTS_TIMEOUT_S, verify=tls_context()) as client:
             response = await client.get(f"{url}/slots", headers=headers)
             if response.status_code != 404:  # (404: it keeps no slots, as vLLM)
                 return working(response.raise_for_status().json())

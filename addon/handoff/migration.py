@@ -32,6 +32,7 @@ from addon.handoff.record import Moved
 from addon.handoff.slotlocks import SlotLocks
 from addon.servers.fingerprint import Fingerprint
 from addon.servers.slots import idle_slots, unused_first
+from addon.servers.tls import tls_context
 from addon.servers.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -168,7 +169,9 @@ class Migrator:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             # No idle connection kept (see shadow.py).
-            self._client = httpx.AsyncClient(timeout=MOVE_TIMEOUT_S, limits=ONE_SHOT)
+            self._client = httpx.AsyncClient(
+                timeout=MOVE_TIMEOUT_S, limits=ONE_SHOT, verify=tls_context()
+            )
         return self._client
 
     async def close(self) -> None:

@@ -35,6 +35,7 @@ from addon.formats.shape import dumps
 from addon.formats.transcript import Transcript
 from addon.handoff.nextleg import NextLeg
 from addon.servers.slots import idle_slots
+from addon.servers.tls import tls_context
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class ShadowBudget:
         if self._client is None:
             # No idle connection kept: the servers close theirs after 5 s, and one kept
             # past that holds a descriptor until this client is used again.
-            self._client = httpx.AsyncClient(timeout=PREFILL_TIMEOUT_S, limits=ONE_SHOT)
+            self._client = httpx.AsyncClient(
+                timeout=PREFILL_TIMEOUT_S, limits=ONE_SHOT, verify=tls_context()
+            )
         return self._client
 
     async def take(self, server: Upstream) -> bool:

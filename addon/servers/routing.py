@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from addon.servers.tls import tls_context
 from addon.servers.upstream import Upstream
 from watchers.cputime import ServerProcesses
 
@@ -140,7 +141,7 @@ class Router:
         answers 5xx (llama-server does while it loads), is down until it answers 200.
         Its own client: these checks are not questions worth a flow each in recordings."""
         last = time.monotonic()
-        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, verify=tls_context()) as client:
             while True:
                 servers = urls()
                 await asyncio.gather(*(self._check(url, client) for url in servers))
@@ -154,7 +155,7 @@ class Router:
     async def answers_health(self, url: str) -> bool:
         """Whether `url` answers /health with 200 now, asked once."""
         try:
-            async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+            async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, verify=tls_context()) as client:
                 return (await client.get(f"{url}/health")).status_code == 200
         except httpx.HTTPError:
             return False

@@ -17,6 +17,8 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from addon.servers.tls import tls_context
+
 FANNED = "x-spillover-fanned"
 PEER = "x-spillover-peer"
 TIMEOUT_S = 5.0
@@ -58,7 +60,7 @@ class Siblings:
         ]
 
     async def _each(self, method: str, route: str, content: bytes) -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S, verify=tls_context()) as client:
             asked = [
                 client.request(
                     method, f"{url}/spillover/{route}", content=content, headers={FANNED: "1"}
