@@ -61,3 +61,8 @@ def test_a_prompt_of_ids_is_written_by_msgspec_and_anything_it_would_change_by_j
     for odd in (float("nan"), float("inf"), "\ud800"):
         body = {"prompt": [1, 2], "temperature": odd}
         assert dumps(body) == json.dumps(body).encode()  # NaN as NaN, never null
+        body = {"prompt": [1, 2], "stop": None, "n_probs": [odd]}  # beside a real null too
+        assert dumps(body) == json.dumps(body).encode()
+    # A null that is one (a field sent as null, the word in a prompt) is msgspec's still.
+    for nulls in ({**ids, "stop": None}, {**ids, "prompt": ["x is null", *ids["prompt"]]}):
+        assert dumps(nulls) == json.dumps(nulls, separators=(",", ":")).encode()

@@ -34,15 +34,27 @@ def loads(raw: bytes | str) -> Any:
 
 
 def dumps(value: Any) -> bytes:
-    """A request body as `json.dumps` writes it, in value. msgspec writes first (a
-    twelfth of json's time on a prompt of 32,000 token ids); json writes what it refuses
-    (a lone surrogate, as `loads` may have read) and anything with a null in it, which
-    may be a float that is not a number (msgspec writes NaN as null, json as NaN)."""
+    """A request body as `json.dumps` writes it, in value. msgspec writes first (an
+    eighth of json's time on a prompt of 32,000 token ids); json writes what it
+    refuses (a lone surrogate, as `loads` may have read) and what it writes otherwise:
+    msgspec writes a float that is not a number as null, json as NaN. So where a null is
+    written (a field the client sent as null, or the word in a prompt's text), what was
+    written is read back and must be the value itself (about half json's time at 32,000
+    ids)."""
     try:
         written = _ENCODE(value)
     except (msgspec.MsgspecError, UnicodeEncodeError, RecursionError):
-        written = b"null"
-    return json.dumps(value).encode() if written.find(b"null") >= 0 else written
+        return json.dumps(value).encode()
+    if written.find(b"null") >= 0 and not _reads_back(written, value):
+        return json.dumps(value).encode()
+    return written
+
+
+def _reads_back(written: bytes, value: Any) -> bool:
+    try:
+        return bool(_DECODE(written) == value)
+    except (msgspec.MsgspecError, RecursionError):
+        return False
 
 
 def nested_deeper_than(value: Any, limit: int = DEPTH_LIMIT) -> bool:
