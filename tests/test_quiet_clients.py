@@ -1,7 +1,9 @@
 """The addon's own clients ask its servers every second (health), and at every handoff and
 shadow update; mitmproxy's root logger takes every record any library makes and passes
 it to each addon. The trace httpcore writes of each request (a dozen debug records,
-never shown) must not be made at all."""
+never shown) must not be made at all. And the clients share one TLS context: httpx
+builds one for each client otherwise (26 ms of CPU in the event loop, see
+addon/servers/tls.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tests.streams import assert_one_clean_stream, chat_body, read_stream
+from tests.test_splice import handoff_after
 
 COUNTER = """
 import collections, json, logging
@@ -54,3 +59,46 @@ def test_the_addons_own_requests_make_no_log_records(
     made = json.loads(counts.read_text())
     assert any(name.startswith("mitmproxy.") for name in made), made  # the counter counted
     assert not [name for name in made if name.startswith(("httpcore", "httpx"))], made
+
+
+TLS_COUNTER = """
+import json, ssl, sys
+
+MADE = []
+_make = ssl.create_default_context
+
+
+def counted(*args, **kwargs):
+    MADE.append(sys._getframe(1).f_globals.get("__name__"))
+    return _make(*args, **kwargs)
+
+
+ssl.create_default_context = counted
+
+
+class WriteMade:
+    def done(self):
+        with open(%r, "w") as file:
+            json.dump(MADE, file)
+
+
+addons = [WriteMade()]
+"""
+
+
+def test_the_addons_clients_share_one_tls_context(
+    primary, fallback, start_proxy, tmp_path: Path
+) -> None:
+    """Its questions at the start, its health checks and a handoff, each by a client of
+    its own: one TLS context built for all of them."""
+    made = tmp_path / "made.json"
+    script = tmp_path / "count_contexts.py"
+    script.write_text(TLS_COUNTER % str(made))
+    proxy = start_proxy(primary.url, [fallback.url], scripts=[script])
+    assert proxy.servers_known()[fallback.url]["continues"]
+    time.sleep(1.5)  # health asked of both servers every second
+    stream = read_stream(proxy.url, chat_body(60), on_chunk=handoff_after(proxy, 10, primary))
+    assert_one_clean_stream(stream)
+    assert len(stream.notes) == 1
+    proxy.stop()
+    assert json.loads(made.read_text()) == ["httpx._config"]
