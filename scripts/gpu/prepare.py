@@ -33,8 +33,16 @@ PROJECT_MODULES = {
     "prometheus_client": "prometheus-client",
     "h11": "h11",
     "httpx": "httpx",
+    "msgspec": "msgspec",
+    "jinja2": "jinja2",
     "numpy": "numpy",
 }
+# What bundle.sh fetches as wheels (with their own dependencies): the project's
+# dependencies (pyproject.toml) and gguf, which writes the proof's models.
+BUNDLED = (
+    "mitmproxy", "httpx", "pyudev", "nvidia-ml-py", "prometheus-client", "jinja2", "msgspec",
+    "gguf",
+)  # fmt: skip
 SDIST_NAME, SDIST_VERSION = SOURCE_PACKAGE.split("==")
 
 
