@@ -80,8 +80,8 @@ def python_with_mitmdump(cache: Path = CACHE) -> Path:
     folder = cache / "scale-bin"
     folder.mkdir(parents=True, exist_ok=True)
     python = folder / "python3"
-    if not python.exists():
-        python.symlink_to(sys.executable)
+    python.unlink(missing_ok=True)  # (one made by another Python before)
+    python.symlink_to(sys.executable)
     mitmdump = folder / "mitmdump"
     mitmdump.write_text(f"#!{python}\n{MITMDUMP.replace('; ', chr(10))}\n")
     mitmdump.chmod(0o755)
