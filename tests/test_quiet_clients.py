@@ -19,33 +19,41 @@ from tests.test_splice import handoff_after
 COUNTER = """
 import collections, json, logging
 
-COUNTS = collections.Counter()
+COUNTED = collections.Counter()
 
 
 class Count(logging.Handler):
     def emit(self, record):
-        COUNTS[f"{record.name} {record.levelname}"] += 1
+        COUNTED[f"{record.name} {record.levelname}"] += 1
 
 
 logging.getLogger().addHandler(Count())
 
+"""
 
-class WriteCounts:
+# The end of each counting script: what it counted, written at mitmproxy's `done`.
+WRITTEN_AT_DONE = """
+class WriteCounted:
     def done(self):
         with open(%r, "w") as file:
-            json.dump(COUNTS, file)
+            json.dump(COUNTED, file)
 
 
-addons = [WriteCounts()]
+addons = [WriteCounted()]
 """
+
+
+def counting_script(counting: str, folder: Path) -> tuple[Path, Path]:
+    """An addon script that counts (`counting` fills COUNTED), and the file it writes."""
+    counted, script = folder / "counted.json", folder / "count.py"
+    script.write_text(counting + WRITTEN_AT_DONE % str(counted))
+    return script, counted
 
 
 def test_the_addons_own_requests_make_no_log_records(
     primary, fallback, start_proxy, tmp_path: Path
 ) -> None:
-    counts = tmp_path / "counts.json"
-    script = tmp_path / "count_records.py"
-    script.write_text(COUNTER % str(counts))
+    script, counts = counting_script(COUNTER, tmp_path)
     proxy = start_proxy(primary.url, [fallback.url], scripts=[script])
     assert proxy.servers_known()[fallback.url]["continues"]  # questions asked of both
     time.sleep(2.5)  # health asked of both servers every second
@@ -64,25 +72,17 @@ def test_the_addons_own_requests_make_no_log_records(
 TLS_COUNTER = """
 import json, ssl, sys
 
-MADE = []
+COUNTED = []
 _make = ssl.create_default_context
 
 
 def counted(*args, **kwargs):
-    MADE.append(sys._getframe(1).f_globals.get("__name__"))
+    COUNTED.append(sys._getframe(1).f_globals.get("__name__"))
     return _make(*args, **kwargs)
 
 
 ssl.create_default_context = counted
 
-
-class WriteMade:
-    def done(self):
-        with open(%r, "w") as file:
-            json.dump(MADE, file)
-
-
-addons = [WriteMade()]
 """
 
 
@@ -91,9 +91,7 @@ def test_the_addons_clients_share_one_tls_context(
 ) -> None:
     """Its questions at the start, its health checks and a handoff, each by a client of
     its own: one TLS context built for all of them."""
-    made = tmp_path / "made.json"
-    script = tmp_path / "count_contexts.py"
-    script.write_text(TLS_COUNTER % str(made))
+    script, made = counting_script(TLS_COUNTER, tmp_path)
     proxy = start_proxy(primary.url, [fallback.url], scripts=[script])
     assert proxy.servers_known()[fallback.url]["continues"]
     time.sleep(1.5)  # health asked of both servers every second
