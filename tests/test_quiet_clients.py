@@ -1,5 +1,5 @@
-"""The addon's own clients ask its servers every second (health), and at every handoff and
-shadow update; mitmproxy's root logger takes every record any library makes and passes
+"""The addon's own clients ask its servers what they are, and at every handoff and shadow
+update; mitmproxy's root logger takes every record any library makes and passes
 it to each addon. The trace httpcore writes of each request (a dozen debug records,
 never shown) must not be made at all. And the clients share one TLS context: httpx
 builds one for each client otherwise (26 ms of CPU in the event loop, see

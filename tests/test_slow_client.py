@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from addon.servers.upstream import ChunkedBody
+from addon.servers.framing import ChunkedBody
 from scripts.bench.paced import resident_mib
 from scripts.bench.splice import MESSAGES, SseSource
 from scripts.parts.processes import running

@@ -23,7 +23,7 @@ from addon.formats.pieces import (
 from addon.formats.toolcalls import ToolCallHold
 from addon.formats.transcript import Transcript
 from addon.handoff.exact import NativeToChat, native_body
-from addon.servers.upstream import ChunkedBody, LengthBody, UpstreamError
+from addon.servers.framing import ChunkedBody, LengthBody, UpstreamError
 from scripts.testbed.scripted_upstream import chunked, sse_chunk
 
 STREAM = (

@@ -31,7 +31,8 @@ from addon.handoff.seen import prefill_echoed
 from addon.handoff.vllm import VllmTerms
 from addon.servers.directory import ServerDirectory
 from addon.servers.engines import CHAT_RENDERING
-from addon.servers.upstream import ChunkedBody, Upstream
+from addon.servers.framing import ChunkedBody
+from addon.servers.upstream import Upstream
 from addon.servers.vllm_routes import OFF
 from scripts.testbed.llamacppfiles import templates
 from scripts.testbed.llamacpppython import LlamaCppPythonServer

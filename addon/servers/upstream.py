@@ -10,6 +10,7 @@ free the slot.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from urllib.parse import urlsplit
 
 import h11
 
+from addon.servers.framing import ChunkedBody, LengthBody, UpstreamError
+from addon.servers.tls import tls_context
 from watchers.listeners import port_of
 
 # What a connection holds unread before it stops reading from the socket (as asyncio's
@@ -24,8 +27,22 @@ from watchers.listeners import port_of
 HELD_UNREAD = 2 * 65536
 
 
-class UpstreamError(Exception):
-    """The upstream could not be reached or broke the HTTP exchange."""
+class Unreachable(UpstreamError):
+    """No connection could be made: nothing listens there (yet), or its TLS failed."""
+
+    def __init__(self, url: str, exc: OSError | TimeoutError) -> None:
+        self.tls = isinstance(exc, ssl.SSLError)
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            self.reason = f"TLS: {exc.verify_message}"
+        elif isinstance(exc, ssl.SSLError):
+            self.reason = f"TLS: {exc.reason or exc}"
+        elif isinstance(exc, ConnectionRefusedError):
+            self.reason = "refused"
+        elif isinstance(exc, TimeoutError):
+            self.reason = "timed out"
+        else:
+            self.reason = exc.strerror or type(exc).__name__
+        super().__init__(f"cannot connect to {url}: {self.reason}")
 
 
 def _before_response(exc: OSError | h11.RemoteProtocolError) -> str:
@@ -150,82 +167,6 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.abort()
-
-
-class ChunkedBody:
-    """Decodes a chunked body in bulk: one pass per read, not one Python event per chunk
-    (llama-server sends every token as its own chunk)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._left = 0  # bytes of chunk data still to come
-        self._crlf = False  # a chunk's closing CRLF still to come
-        self.complete = False
-
-    def feed(self, data: bytes) -> bytes:
-        if not (self._buffer or self._left or self._crlf) and (whole := _one_chunk(data)):
-            return whole  # a server writing each token as its own chunk, read as written
-        buffer = self._buffer + data if self._buffer else data
-        out: list[bytes] = []
-        pos, end = 0, len(buffer)
-        while pos < end and not self.complete:
-            if self._left:
-                take = min(self._left, end - pos)
-                out.append(buffer[pos : pos + take])
-                pos += take
-                self._left -= take
-                self._crlf = not self._left
-            elif self._crlf:
-                if end - pos < 2:
-                    break
-                if buffer[pos : pos + 2] != b"\r\n":
-                    raise UpstreamError("broken HTTP from upstream: bad chunk terminator")
-                pos += 2
-                self._crlf = False
-            else:
-                eol = buffer.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > 1024:
-                        raise UpstreamError("broken HTTP from upstream: chunk header too long")
-                    break
-                try:
-                    size = int(buffer[pos:eol].split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("broken HTTP from upstream: bad chunk size") from None
-                pos = eol + 2
-                if size == 0:
-                    self.complete = True  # trailers, if any, are of no interest
-                self._left = size
-        self._buffer = buffer[pos:]
-        return b"".join(out)
-
-
-def _one_chunk(data: bytes) -> bytes | None:
-    """The data of `data` when it is exactly one whole chunk with data, `<hex>\\r\\n` and
-    its data and CRLF; None for anything else (for the general reading)."""
-    eol = data.find(b"\r\n", 0, 18)
-    if eol < 1 or not data.endswith(b"\r\n"):
-        return None
-    try:
-        size = int(data[:eol], 16)
-    except ValueError:
-        return None
-    return data[eol + 2 : -2] if size and len(data) == eol + 4 + size else None
-
-
-class LengthBody:
-    def __init__(self, length: int | None) -> None:
-        self._left = length
-        self.until_close = length is None
-        self.complete = length == 0
-
-    def feed(self, data: bytes) -> bytes:
-        if self._left is None:  # the body ends when the connection does
-            return data
-        data = data[: self._left]
-        self._left -= len(data)
-        self.complete = not self._left
-        return data
 
 
 class Response:
@@ -363,19 +304,36 @@ async def post(
     connect_timeout: float = 5.0,
 ) -> Response:
     """Send a POST and wait for the response head."""
+    request = h11.Request(method="POST", target=path, headers=sent_headers(upstream, body, headers))
+    return await _exchange(upstream, request, body, connect_timeout)
+
+
+async def get(upstream: Upstream, path: str, connect_timeout: float = 5.0) -> Response:
+    """Send a GET and wait for the response head."""
+    headers = [(b"host", upstream.authority.encode()), (b"accept-encoding", b"identity")]
+    request = h11.Request(method="GET", target=path, headers=headers)
+    return await _exchange(upstream, request, b"", connect_timeout)
+
+
+async def _exchange(
+    upstream: Upstream, request: h11.Request, body: bytes, connect_timeout: float
+) -> Response:
     try:
         async with asyncio.timeout(connect_timeout):  # no task of its own, as wait_for makes
             transport, connection = await asyncio.get_running_loop().create_connection(
-                Connection, upstream.host, upstream.port, ssl=upstream.tls or None
+                Connection,
+                upstream.host,
+                upstream.port,
+                ssl=tls_context() if upstream.tls else None,
             )
     except (OSError, TimeoutError) as exc:
-        raise UpstreamError(f"cannot connect to {upstream.url}: {exc!r}") from exc
+        raise Unreachable(upstream.url, exc) from exc
     conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(method="POST", target=path, headers=sent_headers(upstream, body, headers))
     try:
-        transport.write(
-            conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
-        )
+        sent = conn.send(request)
+        if body:
+            sent += conn.send(h11.Data(data=body))
+        transport.write(sent + conn.send(h11.EndOfMessage()))
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:

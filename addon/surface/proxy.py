@@ -21,7 +21,7 @@ from addon.formats.carried import SPLICED, arrives_in_pieces, recorded, spliceab
 from addon.handoff.migration import add_migration_options
 from addon.handoff.record import Handoff, Sensed
 from addon.handoff.shadow import add_shadow_options
-from addon.servers import keyed
+from addon.servers import keyed, tls
 from addon.servers.addresses import same_address, same_server, url_of
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
@@ -143,6 +143,17 @@ class Spillover:
             if running:  # a change (mitmweb's options, `set`): mitmproxy keeps the old value
                 raise exceptions.OptionsError("; ".join(mistakes))
             _refuse_to_start(mistakes)  # one line each: a raise here shows a traceback
+            return
+        if updated & tls.OPTIONS and (
+            mistake := tls.use_upstream_tls(
+                options.ssl_insecure,
+                options.ssl_verify_upstream_trusted_ca,
+                options.ssl_verify_upstream_trusted_confdir,
+            )
+        ):
+            if running:
+                raise exceptions.OptionsError(mistake)
+            _refuse_to_start([mistake])
             return
         fleet.exact, fleet.pace = options.spillover_exact_replay, limits_from(options)
         fleet.retry_server_errors = options.spillover_retry_5xx

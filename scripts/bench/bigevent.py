@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from addon.servers.upstream import ChunkedBody
+from addon.servers.framing import ChunkedBody
 from scripts.bench.splice import SseSource, read_stream
 from scripts.parts.processes import running
 from scripts.testbed.mitm import Mitmdump

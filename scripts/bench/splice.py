@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from addon.servers.upstream import ChunkedBody
+from addon.servers.framing import ChunkedBody
 from scripts.guard import GuardProcess
 from scripts.parts.processes import ManagedProcess, running
 from scripts.testbed.llamaserver import LlamaServer

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -42,6 +43,8 @@ class ManagedProcess:
 
     name = "server"
     health_path = "/health"
+    scheme = "http"
+    verify: ssl.SSLContext | bool = True  # how its certificate is checked, behind TLS
 
     def __init__(
         self, port: int | None = None, log_dir: Path | None = None, host: str = "127.0.0.1"
@@ -56,7 +59,7 @@ class ManagedProcess:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -112,7 +115,12 @@ class ManagedProcess:
                     + self.log_tail()
                 )
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + self.health_path, timeout=1.0).status_code == 200:
+                if (
+                    httpx.get(
+                        self.url + self.health_path, timeout=1.0, verify=self.verify
+                    ).status_code
+                    == 200
+                ):
                     return
             time.sleep(0.02)
         self.stop()
