@@ -29,12 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from addon.servers.upstream import Unreachable, Upstream, UpstreamError, get
+from addon.servers.health import HealthQuestions
+from addon.servers.upstream import Unreachable, Upstream, UpstreamError
 from watchers.cputime import ServerProcesses
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.0
-HEALTH_BODY_LIMIT = 65536
 # A /health that times out is looked at again: the CPU its server's processes use over
 # this window says whether it is working or waiting.
 WORKING_WINDOW_S = 0.5
@@ -59,6 +59,7 @@ class Router:
     def __init__(self, on_back: Callable[[str], None] = lambda _: None) -> None:
         """`on_back(url)`: a server that was down answers again (it may have changed)."""
         self.on_back = on_back
+        self.health = HealthQuestions(HEALTH_TIMEOUT_S)
         # The memory watcher's word on a server's cards: ("pressured" or "unknown", why),
         # or None when they are clear (or not watched).
         self.memory: Callable[[str], tuple[str, str] | None] = lambda _: None
@@ -139,27 +140,30 @@ class Router:
         answers 5xx (llama-server does while it loads), is down until it answers 200.
         Not through mitmproxy: these checks are not questions worth a flow each."""
         last = time.monotonic()
-        while True:
-            servers = urls()
-            await asyncio.gather(*(self._check(url) for url in servers))
-            now = time.monotonic()
-            for url in servers:
-                key = (url, self.state(url)[0])
-                self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
-            last = now
-            await asyncio.sleep(every_s)
+        try:
+            while True:
+                servers = urls()
+                await asyncio.gather(*(self._check(url) for url in servers))
+                now = time.monotonic()
+                for url in servers:
+                    key = (url, self.state(url)[0])
+                    self.seconds_in[key] = self.seconds_in.get(key, 0.0) + now - last
+                last = now
+                await asyncio.sleep(every_s)
+        finally:
+            self.health.close()
 
     async def answers_health(self, url: str) -> bool:
         """Whether `url` answers /health with 200 now, asked once."""
         try:
-            return await health_status(url) == 200
+            return await self.health.status(url) == 200
         except (UpstreamError, TimeoutError):
             return False
 
     async def _check(self, url: str) -> None:
         asked = time.monotonic()
         try:
-            status = await health_status(url)
+            status = await self.health.status(url)
         except TimeoutError:
             since = self.unanswered_since.setdefault(url, asked)
             if url in self.down:
@@ -217,17 +221,3 @@ class Router:
             if (down := self.down.get(url)) is not None:
                 states[url]["for_s"] = round(now - down.since, 1)
         return states
-
-
-async def health_status(url: str) -> int:
-    """The status `url` answers GET /health with, its body read and the connection closed.
-    On the legs' own client, not httpx's: asked every second of every server, in the loop
-    that carries every stream, httpx took 3.5 ms of CPU a question, this 0.5 ms
-    (docs/benchmarks.md). Raises TimeoutError past HEALTH_TIMEOUT_S."""
-    async with asyncio.timeout(HEALTH_TIMEOUT_S):
-        response = await get(Upstream(url), "/health", connect_timeout=2 * HEALTH_TIMEOUT_S)
-        try:
-            await response.read_all(limit=HEALTH_BODY_LIMIT)
-        finally:
-            response.close()
-    return response.status

@@ -164,6 +164,12 @@ class Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
+    @property
+    def open(self) -> bool:
+        """Whether it can carry another request: neither side ended it, nothing unread."""
+        transport = self.transport
+        return not (self._ended or self._unread or transport is None or transport.is_closing())
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.abort()
@@ -180,6 +186,9 @@ class Response:
         self.headers = head.headers.raw_items()  # as the server wrote them
         fields = {k.lower().decode(): v.lower().decode("latin-1") for k, v in self.headers}
         self._initial = conn.trailing_data[0]
+        self._keeps_alive = head.http_version == b"1.1" and "close" not in fields.get(
+            "connection", ""
+        )
         if "chunked" in fields.get("transfer-encoding", ""):
             self._decoder: ChunkedBody | LengthBody = ChunkedBody()
         elif "content-length" in fields:
@@ -280,6 +289,15 @@ class Response:
                 raise UpstreamError(f"response body over {limit} bytes")
         return b"".join(parts)
 
+    @property
+    def reusable(self) -> bool:
+        """Whether its connection can carry another request: its body, of a stated length,
+        read whole (a chunked one's last CRLF may still be on its way), and neither side
+        ended or closes it."""
+        decoder = self._decoder
+        whole = isinstance(decoder, LengthBody) and decoder.complete and not decoder.until_close
+        return whole and self._keeps_alive and self._connection.open
+
     def close(self) -> None:
         """Drop the connection at once; the server sees the client go and stops work."""
         self._connection.close()
@@ -308,19 +326,22 @@ async def post(
     return await _exchange(upstream, request, body, connect_timeout)
 
 
-async def get(upstream: Upstream, path: str, connect_timeout: float = 5.0) -> Response:
-    """Send a GET and wait for the response head."""
+def get_request(upstream: Upstream, path: str) -> h11.Request:
     headers = [(b"host", upstream.authority.encode()), (b"accept-encoding", b"identity")]
-    request = h11.Request(method="GET", target=path, headers=headers)
-    return await _exchange(upstream, request, b"", connect_timeout)
+    return h11.Request(method="GET", target=path, headers=headers)
 
 
 async def _exchange(
     upstream: Upstream, request: h11.Request, body: bytes, connect_timeout: float
 ) -> Response:
+    return await send(await connect(upstream, connect_timeout), upstream, request, body)
+
+
+async def connect(upstream: Upstream, connect_timeout: float = 5.0) -> Connection:
+    """A new connection to `upstream` (raises Unreachable)."""
     try:
         async with asyncio.timeout(connect_timeout):  # no task of its own, as wait_for makes
-            transport, connection = await asyncio.get_running_loop().create_connection(
+            _, connection = await asyncio.get_running_loop().create_connection(
                 Connection,
                 upstream.host,
                 upstream.port,
@@ -328,12 +349,21 @@ async def _exchange(
             )
     except (OSError, TimeoutError) as exc:
         raise Unreachable(upstream.url, exc) from exc
+    return connection
+
+
+async def send(
+    connection: Connection, upstream: Upstream, request: h11.Request, body: bytes = b""
+) -> Response:
+    """Send a request on `connection` and wait for the response head (the connection is
+    dropped when that fails)."""
     conn = h11.Connection(h11.CLIENT)
     try:
         sent = conn.send(request)
         if body:
             sent += conn.send(h11.Data(data=body))
-        transport.write(sent + conn.send(h11.EndOfMessage()))
+        assert connection.transport is not None
+        connection.transport.write(sent + conn.send(h11.EndOfMessage()))
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
@@ -345,8 +375,8 @@ async def _exchange(
                 continue
             raise UpstreamError(f"connection closed before a response from {upstream.url}")
     except (OSError, h11.RemoteProtocolError) as exc:
-        transport.abort()
+        connection.close()
         raise UpstreamError(f"{upstream.url} {_before_response(exc)}") from exc
     except BaseException:
-        transport.abort()
+        connection.close()
         raise
