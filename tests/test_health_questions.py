@@ -19,12 +19,15 @@ OK = b'{"status":"ok"}'
 
 class Server:
     """Answers each GET with `status`; `mode`: "keep" (keeps the connection), "close"
-    (says `Connection: close`), "silent" (closes it after answering, saying nothing), or
-    "drop-reused" (closes a connection asked on a second time, without an answer)."""
+    (says `Connection: close`), "silent" (closes it after answering, saying nothing),
+    "drop-reused" (closes a connection asked on a second time, without an answer),
+    "unasked" (writes more right after its answer, and keeps the connection), or
+    "unasked-later" (the same a moment after it)."""
 
     def __init__(self, mode: str = "keep", status: int = 200) -> None:
         self.mode, self.status = mode, status
         self.connections = 0
+        self.closed_by_client = 0
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -44,15 +47,21 @@ class Server:
                     % (self.status, len(OK), close, OK)
                 )
                 await writer.drain()
+                if self.mode == "unasked-later":
+                    await asyncio.sleep(0.005)  # (the answer read alone first)
+                if self.mode.startswith("unasked"):
+                    writer.write(b"more")
                 if self.mode in ("close", "silent"):
                     break
         except asyncio.IncompleteReadError:
-            pass
+            self.closed_by_client += 1
         writer.close()
 
     async def stop(self) -> None:
+        """Stop listening, once every connection is closed (a connection the client left
+        open fails this)."""
         self._server.close()
-        await self._server.wait_closed()
+        await asyncio.wait_for(self._server.wait_closed(), 2)
 
 
 async def ask(server: Server, times: int) -> list[int]:
@@ -81,6 +90,14 @@ def test_a_connection_the_server_ends_is_not_asked_on_again(mode: str) -> None:
     # asked again on a new one
     assert asyncio.run(ask(server, 4)) == [200] * 4
     assert server.connections == 4
+
+
+@pytest.mark.parametrize("mode", ["unasked", "unasked-later"])
+def test_a_connection_the_server_wrote_more_on_is_closed_not_kept(mode: str) -> None:
+    server = Server(mode)
+    assert asyncio.run(ask(server, 4)) == [200] * 4
+    assert server.connections == 4
+    assert server.closed_by_client == 4  # three as the next question came, the last at close
 
 
 def test_a_status_is_given_as_the_server_said_it() -> None:

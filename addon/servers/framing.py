@@ -74,10 +74,12 @@ class LengthBody:
         self._left = length
         self.until_close = length is None
         self.complete = length == 0
+        self.overrun = False  # more came than the length said (dropped)
 
     def feed(self, data: bytes) -> bytes:
         if self._left is None:  # the body ends when the connection does
             return data
+        self.overrun |= len(data) > self._left
         data = data[: self._left]
         self._left -= len(data)
         self.complete = not self._left

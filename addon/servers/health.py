@@ -39,6 +39,8 @@ class HealthQuestions:
                     return await self._ask(kept, upstream)
                 except UpstreamError:
                     pass  # closed by the server as it was asked: asked on a new one
+            elif kept is not None:
+                kept.close()  # ended by the server, or it wrote unasked
             return await self._ask(await connect(upstream, 2 * self.timeout_s), upstream)
 
     async def _ask(self, connection: Connection, upstream: Upstream) -> int:

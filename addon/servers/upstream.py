@@ -292,10 +292,11 @@ class Response:
     @property
     def reusable(self) -> bool:
         """Whether its connection can carry another request: its body, of a stated length,
-        read whole (a chunked one's last CRLF may still be on its way), and neither side
-        ended or closes it."""
+        read whole and nothing after it (a chunked one's last CRLF may still be on its
+        way), and neither side ended or closes it."""
         decoder = self._decoder
         whole = isinstance(decoder, LengthBody) and decoder.complete and not decoder.until_close
+        whole = whole and not decoder.overrun
         return whole and self._keeps_alive and self._connection.open
 
     def close(self) -> None:
