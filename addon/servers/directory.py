@@ -48,7 +48,7 @@ from addon.servers.vllm_routes import own_routes
 log = logging.getLogger(__name__)
 
 
-QUESTION_POOL = httpx.Limits(max_keepalive_connections=4)
+QUESTION_POOL = 4  # connections kept per server
 REASK_SECONDS = 5.0
 
 
@@ -222,11 +222,10 @@ class ServerDirectory(PromptQuestions):
 
     @property
     def client(self) -> httpx.AsyncClient:
-        # One client for all: making one costs tens of milliseconds (its TLS context).
-        # Few idle connections kept: one a server closed stays open here (a descriptor)
-        # until the client is used again, and a handoff's questions come in a burst.
+        # One client for all, on the legs' own connections (servers/kept.py): a few kept
+        # per server, as a handoff's questions come in a burst.
         if self._client is None:
-            transport = RecordingTransport(self._on_exchange, limits=QUESTION_POOL)
+            transport = RecordingTransport(self._on_exchange, QUESTION_POOL)
             self._client = httpx.AsyncClient(timeout=5, transport=transport)
         return self._client
 

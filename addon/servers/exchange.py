@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from addon.servers.credentials import redacted
-from addon.servers.tls import tls_context
+from addon.servers.kept import KeptConnections
 from watchers.listeners import port_of
 
 KEEP_BYTES = 4 * 1024 * 1024  # of one response; past that a flow says how much it left out
@@ -74,8 +74,8 @@ STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError
 class RecordingTransport(httpx.AsyncBaseTransport):
     """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
 
-    def __init__(self, record: Callable[[Exchange], None], limits: httpx.Limits) -> None:
-        self._inner = httpx.AsyncHTTPTransport(limits=limits, verify=tls_context())
+    def __init__(self, record: Callable[[Exchange], None], kept_per_server: int) -> None:
+        self._inner = KeptConnections(kept_per_server)
         self._record = record
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
