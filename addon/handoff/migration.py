@@ -31,8 +31,8 @@ import httpx
 from addon.handoff.record import Moved
 from addon.handoff.slotlocks import SlotLocks
 from addon.servers.fingerprint import Fingerprint
+from addon.servers.kept import KeptConnections
 from addon.servers.slots import idle_slots, unused_first
-from addon.servers.tls import tls_context
 from addon.servers.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ WRITTEN_AFTER = 256
 FIND_S = 1.0  # how long the cut source's slot is looked for (it goes idle within a step)
 SLOTS_TIMEOUT_S = 2.0
 MOVE_TIMEOUT_S = 60.0  # saving or restoring a long context of a big model
-ONE_SHOT = httpx.Limits(max_keepalive_connections=0)
+KEPT_PER_SERVER = 2
 
 
 def add_migration_options(loader) -> None:
@@ -168,9 +168,9 @@ class Migrator:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            # No idle connection kept (see shadow.py).
+            # On the legs' own connections (see shadow.py).
             self._client = httpx.AsyncClient(
-                timeout=MOVE_TIMEOUT_S, limits=ONE_SHOT, verify=tls_context()
+                timeout=MOVE_TIMEOUT_S, transport=KeptConnections(KEPT_PER_SERVER)
             )
         return self._client
 

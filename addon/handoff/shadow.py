@@ -34,8 +34,8 @@ from addon.formats.dialect import Dialect
 from addon.formats.shape import dumps
 from addon.formats.transcript import Transcript
 from addon.handoff.nextleg import NextLeg
+from addon.servers.kept import KeptConnections
 from addon.servers.slots import idle_slots
-from addon.servers.tls import tls_context
 from addon.servers.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ BUSY_S = 0.1  # how soon a server with no idle slot is asked again
 SLOTS_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 300.0  # the first update reads the whole prompt
 GIVE_UP_AFTER = 3
-ONE_SHOT = httpx.Limits(max_keepalive_connections=0)
+KEPT_PER_SERVER = 2
 # Fields that cost work and change nothing in the cache a prompt leaves behind (the
 # continuation it is made from names no slot: NextLeg.continuation).
 NOT_FOR_PREFILL = (
@@ -97,10 +97,10 @@ class ShadowBudget:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            # No idle connection kept: the servers close theirs after 5 s, and one kept
-            # past that holds a descriptor until this client is used again.
+            # On the legs' own connections (servers/kept.py): one a server closes is
+            # closed here too, at once.
             self._client = httpx.AsyncClient(
-                timeout=PREFILL_TIMEOUT_S, limits=ONE_SHOT, verify=tls_context()
+                timeout=PREFILL_TIMEOUT_S, transport=KeptConnections(KEPT_PER_SERVER)
             )
         return self._client
 
