@@ -39,8 +39,11 @@ def test_questions_at_once_keep_as_many_connections_as_allowed() -> None:
     assert server.connections == 3 + 1 + 1  # two kept after each burst, one more opened
 
 
-def test_a_connection_the_server_ends_is_not_asked_on_again() -> None:
-    server = Server("silent")
+@pytest.mark.parametrize("mode", ["silent", "drop-reused"])
+def test_a_connection_the_server_ends_is_not_asked_on_again(mode: str) -> None:
+    """drop-reused: each question after the first is dropped on the kept connection, and
+    asked again on a new one (shadows and migrations have no other retry)."""
+    server = Server(mode)
     assert asyncio.run(questions(server, 3, 1)) == [OK] * 3
     assert server.connections == 3
 

@@ -68,9 +68,6 @@ class Exchange:
         return f"spillover {what} to {self.server}: {self.outcome}{why}"
 
 
-STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
 class RecordingTransport(httpx.AsyncBaseTransport):
     """Keeps each question and its answer as an `Exchange` (see exchange.py)."""
 
@@ -86,12 +83,9 @@ class RecordingTransport(httpx.AsyncBaseTransport):
             purpose="question",
         )  # fmt: skip
         try:
-            try:
-                response = await self._inner.handle_async_request(request)
-            except STALE_CONNECTION:
-                # A kept-alive connection the server closed meanwhile (servers close idle
-                # ones; some after every answer): asked once more, on a new connection.
-                response = await self._inner.handle_async_request(request)
+            # (a kept connection its server closed meanwhile is asked on again by the
+            # transport itself: servers/kept.py)
+            response = await self._inner.handle_async_request(request)
             body = await response.aread()
         except Exception as exc:
             exchange.end("failed", repr(exc))

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from addon.servers.upstream import (
-    Connection,
-    Upstream,
-    UpstreamError,
-    connect,
-    get_request,
-    send,
-)
+from addon.servers.kept import KeptPool
+from addon.servers.upstream import Upstream, get_request
 
 BODY_LIMIT = 65536
 
@@ -25,38 +19,18 @@ BODY_LIMIT = 65536
 class HealthQuestions:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._kept: dict[str, Connection] = {}  # one per server, between its questions
+        self._pool = KeptPool(per_server=1)
 
     async def status(self, url: str) -> int:
         """The status `url` answers GET /health with. Raises TimeoutError past the
         timeout, Unreachable where it cannot be connected to, UpstreamError where it
         breaks HTTP."""
         upstream = Upstream(url)
-        kept = self._kept.pop(url, None)
         async with asyncio.timeout(self.timeout_s):
-            if kept is not None and kept.open:
-                try:
-                    return await self._ask(kept, upstream)
-                except UpstreamError:
-                    pass  # closed by the server as it was asked: asked on a new one
-            elif kept is not None:
-                kept.close()  # ended by the server, or it wrote unasked
-            return await self._ask(await connect(upstream, 2 * self.timeout_s), upstream)
-
-    async def _ask(self, connection: Connection, upstream: Upstream) -> int:
-        try:
-            response = await send(connection, upstream, get_request(upstream, "/health"))
-            await response.read_all(limit=BODY_LIMIT)
-        except BaseException:
-            connection.close()
-            raise
-        if response.reusable and upstream.url not in self._kept:
-            self._kept[upstream.url] = connection
-        else:
-            connection.close()
+            response, _ = await self._pool.ask(
+                upstream, get_request(upstream, "/health"), b"", 2 * self.timeout_s, BODY_LIMIT
+            )
         return response.status
 
     def close(self) -> None:
-        for connection in self._kept.values():
-            connection.close()
-        self._kept.clear()
+        self._pool.close()

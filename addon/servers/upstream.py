@@ -324,18 +324,12 @@ async def post(
 ) -> Response:
     """Send a POST and wait for the response head."""
     request = h11.Request(method="POST", target=path, headers=sent_headers(upstream, body, headers))
-    return await _exchange(upstream, request, body, connect_timeout)
+    return await send(await connect(upstream, connect_timeout), upstream, request, body)
 
 
 def get_request(upstream: Upstream, path: str) -> h11.Request:
     headers = [(b"host", upstream.authority.encode()), (b"accept-encoding", b"identity")]
     return h11.Request(method="GET", target=path, headers=headers)
-
-
-async def _exchange(
-    upstream: Upstream, request: h11.Request, body: bytes, connect_timeout: float
-) -> Response:
-    return await send(await connect(upstream, connect_timeout), upstream, request, body)
 
 
 async def connect(upstream: Upstream, connect_timeout: float = 5.0) -> Connection:

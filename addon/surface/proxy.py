@@ -67,8 +67,8 @@ class Spillover:
         )
 
     def load(self, loader) -> None:
-        # A line per request of the addon's own client (a /health question every second)
-        # would drown what an operator reads; its failures are said where they matter.
+        # A line per request of the addon's own httpx clients (its questions to servers)
+        # would drown what an operator reads; their failures are said where they matter.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         # httpcore's trace of each request (a dozen debug records) is never shown, but
         # mitmproxy's root logger takes every record and passes it to each addon.
