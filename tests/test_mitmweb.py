@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from mitmproxy import http, io
 from mitmproxy.utils.emoji import emoji
 
+from scripts.parts.processes import free_port
 from tests.docpictures import keep_for_docs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,12 +69,6 @@ def first_token_line(flow: http.HTTPFlow) -> str:
                 if delta.get("tool_calls"):
                     return "1  tool_calls ["
     raise AssertionError("the stream has no token")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

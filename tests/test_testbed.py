@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from scripts.parts.processes import ManagedProcess
+from scripts.parts.processes import ManagedProcess, free_port
 from scripts.testbed import llamacpppython
 from scripts.testbed.llamabin import BUILD_VARIANTS, built_binary_path
 from scripts.testbed.llamaserver import LlamaServer, ServerFailed, running
@@ -198,3 +200,25 @@ def test_each_build_variant_has_a_cache_of_its_own() -> None:
     assert len(paths) == len(BUILD_VARIANTS)
     assert all(v in str(built_binary_path(v)) for v in BUILD_VARIANTS)
     assert all(v in str(llamacpppython.venv(v)) for v in BUILD_VARIANTS)
+
+
+def test_ports_are_chosen_where_no_connection_takes_them(monkeypatch) -> None:
+    """A server's port comes from below the ephemeral range, where no outgoing connection
+    takes its local port, each test worker from a slice of its own; a port something
+    listens on is passed over."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    chosen: dict[str, set[int]] = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        chosen[worker] = {free_port() for _ in range(40)}
+    assert all(port < low for ports in chosen.values() for port in ports)
+    assert not chosen["gw0"] & chosen["gw1"]
+    assert len(chosen["gw0"]) == 40  # none given twice
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listened = taken.getsockname()[1]
+        tries = iter([listened])
+        chooses = random.randrange
+        monkeypatch.setattr(random, "randrange", lambda a, b: next(tries, None) or chooses(a, b))
+        assert free_port() != listened

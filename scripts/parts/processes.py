@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import random
 import signal
 import socket
 import ssl
@@ -26,10 +28,49 @@ class ServerFailed(RuntimeError):
     pass
 
 
+# Ports are chosen below the kernel's ephemeral range, which every outgoing connection
+# takes its local port from, as bind(0) does: a port that bind(0) gave back could be any
+# connection's before the child binds it, and a test run makes tens of thousands. Each
+# pytest-xdist worker chooses in a slice of its own, so no two choose the same port.
+_SLICES = 16
+_FLOOR = 10000
+_given: set[tuple[str, int]] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    """A port on `host` that nothing listens on, nor takes for a connection meanwhile."""
+    low, high = _this_slice()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if len(_given) > (high - low) // 2:
+        _given.clear()  # (the oldest are long closed)
+    for _ in range(64 if high > low else 0):
+        port = random.randrange(low, high)
+        if (host, port) in _given:
+            continue
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _given.add((host, port))
+        return port
+    with socket.socket(family) as sock:  # no room below the range: the kernel's choice
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _this_slice() -> tuple[int, int]:
+    """This process's ports: its worker's slice of those from _FLOOR to the ephemeral
+    range (a process outside pytest-xdist: one by its pid); (0, 0) where none is known."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker[2:].isdigit() else os.getpid()
+    width = max(ephemeral - _FLOOR, 0) // _SLICES
+    low = _FLOOR + (index % _SLICES) * width
+    return low, low + width
 
 
 def die_with_parent() -> None:
