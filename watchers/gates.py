@@ -22,9 +22,9 @@ from watchers.devices import DeviceCards, open_devices
 from watchers.listeners import (
     LOCAL_HOSTS,
     Listeners,
+    ListenerScans,
     ListeningPids,
     descendants,
-    find_listeners,
     port_of,
 )
 from watchers.listeners import listening_pids as listening_pids  # for older importers
@@ -138,6 +138,7 @@ class CardMap:
         self._rediscovering: set[str] = set()
         self._lock = threading.Lock()
         self._listening = ListeningPids(REFRESH_SECONDS, proc)
+        self._scans = ListenerScans(proc)
 
     def mapping_of(self, server: str) -> Mapping:
         server = server.rstrip("/")
@@ -163,8 +164,9 @@ class CardMap:
 
     def _rediscover_later(self, server: str) -> None:
         """Look the server up again on a thread of its own; the mapping known is used
-        meanwhile. The lookup walks every process's descriptors (a GPU box has thousands):
-        on the proxy's event loop, each refresh stopped every stream for that long."""
+        meanwhile. A first lookup walks every process's descriptors (a GPU box has
+        thousands): on the proxy's event loop, each refresh stopped every stream for that
+        long (later ones read less: listeners.ListenerScans)."""
         with self._lock:
             if server in self._rediscovering:
                 return
@@ -204,7 +206,7 @@ class CardMap:
         if parts.hostname not in LOCAL_HOSTS:
             return Mapping(frozenset(), REMOTE, f"{parts.hostname} is not this machine: {SAY_IT}")
         port = port_of(parts)
-        found = find_listeners(port, self._proc)
+        found = self._scans.find(port)
         if not found.pids:
             return self._not_found(port, found)
         # With the processes they started: vLLM's EngineCore and Worker hold its card.

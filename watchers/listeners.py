@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
@@ -31,15 +31,72 @@ def port_of(url: str | SplitResult) -> int:
 
 def find_listeners(port: int, proc: Path = LIVE_PROC) -> Listeners:
     """Who holds a socket listening on `port` (IPv4 or IPv6, any address)."""
-    sockets = listening() if proc == LIVE_PROC else None
-    if sockets is None:
-        sockets = listed(proc)
-    inodes = {f"socket:[{inode}]" for at, _, inode in sockets if at == port}
-    uids = {uid for at, uid, _ in sockets if at == port}
-    if not inodes:
-        return Listeners(False, frozenset(), frozenset())
-    pids, unreadable = set(), set()
-    for pid in (p for p in proc.iterdir() if p.name.isdigit()):
+    return ListenerScans(proc).find(port)
+
+
+@dataclass(frozen=True)
+class _Scan:
+    inodes: frozenset[str]  # the port's listening sockets, as descriptors link to them
+    found: Listeners
+    seen: frozenset[int]  # every process there was
+
+
+class ListenerScans:
+    """`find_listeners` for ports looked up again and again. The first lookup of a port
+    reads every process's descriptors (tens of thousands on a GPU box, on a thread the
+    event loop shares the interpreter with); while the port's sockets stay the same ones
+    and every process found holding them still does, a later lookup reads only those
+    processes' descriptors and those of the processes started since. Anything else (a
+    holder gone, a new socket) reads them all again.
+    (Lookups on several threads at once each read what they need: each port's last scan
+    is replaced whole.)"""
+
+    def __init__(self, proc: Path = LIVE_PROC) -> None:
+        self.proc = proc
+        self._last: dict[int, _Scan] = {}
+
+    def find(self, port: int) -> Listeners:
+        sockets = listening() if self.proc == LIVE_PROC else None
+        if sockets is None:
+            sockets = listed(self.proc)
+        inodes = frozenset(f"socket:[{inode}]" for at, _, inode in sockets if at == port)
+        uids = {uid for at, uid, _ in sockets if at == port}
+        if not inodes:
+            self._last.pop(port, None)
+            return Listeners(False, frozenset(), frozenset())
+        pids = frozenset(int(name) for name in os.listdir(self.proc) if name.isdigit())
+        last = self._last.get(port)
+        found = None
+        if last is not None and last.inodes == inodes:
+            found = _still_held(self.proc, last.found, pids, last.seen, inodes, uids)
+        if found is None:
+            found = _holders(self.proc, pids, inodes, uids)
+        self._last[port] = _Scan(inodes, found, pids)
+        return found
+
+
+def _still_held(
+    proc: Path,
+    last: Listeners,
+    pids: frozenset[int],
+    seen: frozenset[int],
+    inodes: frozenset[str],
+    uids: set[int],
+) -> Listeners | None:
+    """The holders among those `last` found and the processes started since (`pids` now,
+    `seen` then); None where one that held the sockets no longer does. Those that were
+    not ours to read still are not, while they run."""
+    found = _holders(proc, last.pids | (pids - seen), inodes, uids)
+    if not last.pids <= found.pids:
+        return None
+    return replace(found, unreadable=found.unreadable | (last.unreadable & pids))
+
+
+def _holders(proc: Path, pids: frozenset[int], inodes: frozenset[str], uids: set[int]) -> Listeners:
+    """Which of `pids` hold any of `inodes`; those whose descriptors we may not read and
+    that run as one of `uids` (the sockets' owners) are told apart."""
+    holders, unreadable = set(), set()
+    for pid in (proc / str(pid) for pid in pids):
         try:
             fds = list((pid / "fd").iterdir())
         except PermissionError:
@@ -56,18 +113,18 @@ def find_listeners(port: int, proc: Path = LIVE_PROC) -> Listeners:
             except OSError:
                 continue  # closed meanwhile: one vanished descriptor must not hide the rest
             if target in inodes:
-                pids.add(int(pid.name))
+                holders.add(int(pid.name))
                 break
-    return Listeners(True, frozenset(pids), frozenset(unreadable))
+    return Listeners(True, frozenset(holders), frozenset(unreadable))
 
 
 class ListeningPids:
     """Who listens on a server's port on this machine, looked up again once `fresh_s` has
-    passed (each lookup walks every process's descriptors: thousands on a GPU box)."""
+    passed (see ListenerScans for what a lookup reads)."""
 
     def __init__(self, fresh_s: float, proc: Path = LIVE_PROC) -> None:
         self.fresh_s = fresh_s
-        self.proc = proc
+        self._scans = ListenerScans(proc)
         self._known: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
 
     def of(self, url: str) -> frozenset[int] | None:
@@ -78,7 +135,7 @@ class ListeningPids:
         port = port_of(parts)
         known = self._known.get(port)
         if known is None or time.monotonic() - known[0] >= self.fresh_s:
-            known = (time.monotonic(), find_listeners(port, self.proc).pids)
+            known = (time.monotonic(), self._scans.find(port).pids)
             self._known[port] = known
         return known[1]
 
