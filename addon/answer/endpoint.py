@@ -30,6 +30,7 @@ from http import HTTPStatus
 import h11
 
 from addon.answer import inprocess
+from addon.answer.clientwire import ClientWire
 from addon.answer.splice import Splice
 from addon.formats.wire import Header, framed
 
@@ -49,6 +50,8 @@ class HttpClientStream:
         self._transport = connection.transport
         self.started = False
         self.ended = False
+        self.fed = 0  # bytes of a streamed body written to mitmproxy
+        self.wire: ClientWire | None = None  # where the body goes on, once handed over
 
     def start(self, status: int, headers: list[Header], reason: bytes = b"") -> None:
         """The head of a streamed answer; the client's is chunked, as llama-server's is,
@@ -63,7 +66,12 @@ class HttpClientStream:
         self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n")
 
     def write(self, data: bytes) -> None:
-        if data and not self.ended:
+        if not data or self.ended:
+            return
+        if self.wire is not None:
+            self.wire.write(data)
+        else:
+            self.fed += len(data)
             self._transport.write(data)
 
     def end(self, last: bytes = b"") -> None:
@@ -71,9 +79,8 @@ class HttpClientStream:
         reads after them, in the same pass where nothing waits in between."""
         if self.ended:
             return
+        self.write(last)
         self.ended = True
-        if last:
-            self._transport.write(last)
         self._transport.close()
 
     def respond(self, status: int, headers: list[Header], body: bytes, reason: bytes = b"") -> None:
@@ -89,10 +96,12 @@ class HttpClientStream:
         )  # fmt: skip
 
     async def drain(self) -> None:
-        await self._connection.drain()
+        if self.wire is not None:
+            await self.wire.drain()
+        await self._connection.drain()  # (and raises once mitmproxy let the answer go)
 
     def backed_up(self) -> bool:
-        return self._connection.paused
+        return self._connection.paused or (self.wire is not None and self.wire.backed_up())
 
 
 class SpliceEndpoint:
@@ -103,6 +112,7 @@ class SpliceEndpoint:
         self._in_process: Callable[[], None] | None = None  # undoes it
         self.connections = {"in process": 0, "over loopback TCP": 0}  # mitmproxy's, made
         self.open: set[_Connection] = set()  # not yet closed by mitmproxy
+        self.handed_over = 0  # answers whose body went on to the client's connection
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -136,10 +146,14 @@ class SpliceEndpoint:
 
     def status(self) -> dict[str, int]:
         """How mitmproxy's connections to the endpoint were made (a mitmproxy that no
-        longer opens them with asyncio.open_connection shows here, still carrying), and
-        how many mitmproxy holds open now: in process, until mitmproxy closes its side;
-        over TCP, until the connection is lost."""
-        return {**self.connections, "open": len(self.open)}
+        longer opens them with asyncio.open_connection shows here, still carrying), how
+        many mitmproxy holds open now (in process, until mitmproxy closes its side; over
+        TCP, until the connection is lost), and how many answers went on to their
+        client's connection (answer/clientwire.py)."""
+        return {**self.connections, "open": len(self.open), "handed over": self.handed_over}
+
+    def handed(self) -> None:
+        self.handed_over += 1
 
     @property
     def running(self) -> bool:

@@ -78,6 +78,7 @@ class Splice:
         self.transcript = Transcript(stops=stop_strings(body))
         self.handoffs: list[Handoff] = []
         self.streaming = dialect.streaming(body)
+        self.client: ClientStream | None = None  # where it writes, once it runs
         self._next = NextLeg(path, dialect, body, self.transcript, servers, self.asks_ids)
         self._on_handoff = on_handoff
         self.primary = route.primary
@@ -269,6 +270,7 @@ class Splice:
             self._leg_task.cancel()
 
     async def run(self, client: ClientStream) -> None:
+        self.client = client
         renderings = self._next.renderings
         if self.streaming and len(self.ladder) > 1 and renderings and self.dialect.name == "chat":
             renderings.keep_the_date(self.current)

@@ -26,6 +26,7 @@ from addon.servers.addresses import same_address, same_server, url_of
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
+from addon.surface.clientwire import hand_over_when_passed
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, bodies_kept, flows_kept, show, show_handoffs, show_leg
 from addon.surface.listenqueue import listen_deeper
@@ -299,6 +300,8 @@ class Spillover:
                 flow.response = flow.response.copy()
                 flow.response.headers.fields = client_head
             flow.response.stream = splice.streaming
+            if splice.streaming:
+                hand_over_when_passed(flow, splice, self.endpoint)
         elif not flow.response.stream and arrives_in_pieces(flow.response):
             flow.response.stream = True  # as it comes; -w still keeps it whole
 
