@@ -2,8 +2,9 @@
 N answers stream at a decode step's pace (the paced bench's stand-in and client), and
 every sample is put in one bucket by the innermost frame it can name: mitmproxy's own
 work, the SSE split, JSON parsing, the fields taken out of each chunk, the rewrite, the
-bookkeeping, the endpoint's writes, the event loop and its sockets. Printed per route,
-in percent of the samples and in CPU ms per 1,000 events.
+bookkeeping, the endpoint's writes, the writes to the client's connection, the event
+loop and its sockets. Printed per route, in percent of the samples and in CPU ms per
+1,000 events.
 
     .venv/bin/python -m scripts.bench.profile [--streams 64,256] [--routes addon,ids,plain]
         [--handoff] [--seconds 6]
@@ -44,6 +45,7 @@ BUCKETS = (
     ("rewrite", ("formats/continuation.py", "formats/startover.py", "formats/dialect.py")),
     ("transcript", ("formats/transcript.py", "formats/pieces.py")),
     ("endpoint", ("answer/endpoint.py", "answer/inprocess.py")),
+    ("client's connection", ("answer/clientwire.py",)),
     ("pump, splice", ("answer/pump.py", "answer/splice.py", "answer/legs.py", "answer/pace.py")),
     ("addon, other", ("addon/",)),
     ("httpx (addon's legs)", ("httpx/", "httpcore/")),
