@@ -109,3 +109,11 @@ def test_a_tls_client_is_passed_on_by_mitmproxy(source, start_proxy) -> None:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert len(lines) == 40 + 2 and lines[-1] == "data: [DONE]"
     assert handed_over(proxy) == 0
+
+
+def test_the_owner_may_keep_every_byte_in_mitmproxy(source, start_proxy) -> None:
+    proxy = start_proxy(source.url, [], options=["spillover_client_wire=false"])
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=PACED, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(lines) == 40 + 2 and lines[-1] == "data: [DONE]"
+    assert handed_over(proxy) == 0

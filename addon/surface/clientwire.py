@@ -17,6 +17,16 @@ from addon.answer.splice import Splice
 from addon.surface.flows import bodies_kept
 
 
+def add_client_wire_options(loader) -> None:
+    loader.add_option(
+        "spillover_client_wire", bool, True,
+        "Past a streamed answer's first event, write its body to the client's connection "
+        "from the addon, not through mitmproxy's layers a second time (about half of the "
+        "proxy's CPU per event). Never where a view, a -w file or store_streamed_bodies "
+        "reads the body; false: mitmproxy passes every byte on.",
+    )  # fmt: skip
+
+
 def hand_over_when_passed(flow: http.HTTPFlow, splice: Splice, endpoint: SpliceEndpoint) -> None:
     """A streamed answer's body goes on to its client's connection once mitmproxy has
     passed on what it was given, where it may."""
@@ -28,7 +38,9 @@ def hand_over_when_passed(flow: http.HTTPFlow, splice: Splice, endpoint: SpliceE
 
 def client_wire(flow: http.HTTPFlow) -> ClientWire | None:
     client, response = flow.client_conn, flow.response
-    if response is None or bodies_kept() or ctx.options.store_streamed_bodies:
+    if not ctx.options.spillover_client_wire or response is None:
+        return None
+    if bodies_kept() or ctx.options.store_streamed_bodies:
         return None
     if client.tls or client.transport_protocol != "tcp" or flow.request.http_version != "HTTP/1.1":
         return None

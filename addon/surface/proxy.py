@@ -26,7 +26,7 @@ from addon.servers.addresses import same_address, same_server, url_of
 from addon.servers.exchange import Exchange
 from addon.servers.upstream import Upstream
 from addon.servers.urlchecks import option_mistakes
-from addon.surface.clientwire import hand_over_when_passed
+from addon.surface.clientwire import add_client_wire_options, hand_over_when_passed
 from addon.surface.control import CONTROL_PREFIX, Control, add_access_options
 from addon.surface.flows import as_flow, bodies_kept, flows_kept, show, show_handoffs, show_leg
 from addon.surface.listenqueue import listen_deeper
@@ -136,6 +136,7 @@ class Spillover:
         )  # fmt: skip
         add_access_options(loader)
         add_sibling_options(loader)
+        add_client_wire_options(loader)
         _refuse_to_start(given_twice(ctx.options.deferred))
 
     def configure(self, updated: set[str]) -> None:
