@@ -137,8 +137,8 @@ class CardMap:
         self._cache: dict[str, tuple[float, Mapping]] = {}
         self._rediscovering: set[str] = set()
         self._lock = threading.Lock()
-        self._listening = ListeningPids(REFRESH_SECONDS, proc)
         self._scans = ListenerScans(proc)
+        self._listening = ListeningPids(REFRESH_SECONDS, proc, self._scans)
 
     def mapping_of(self, server: str) -> Mapping:
         server = server.rstrip("/")

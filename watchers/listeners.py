@@ -120,11 +120,14 @@ def _holders(proc: Path, pids: frozenset[int], inodes: frozenset[str], uids: set
 
 class ListeningPids:
     """Who listens on a server's port on this machine, looked up again once `fresh_s` has
-    passed (see ListenerScans for what a lookup reads)."""
+    passed (see ListenerScans for what a lookup reads; `scans`, where its owner looks the
+    same ports up too, so each lookup builds on the last either made)."""
 
-    def __init__(self, fresh_s: float, proc: Path = LIVE_PROC) -> None:
+    def __init__(
+        self, fresh_s: float, proc: Path = LIVE_PROC, scans: ListenerScans | None = None
+    ) -> None:
         self.fresh_s = fresh_s
-        self._scans = ListenerScans(proc)
+        self._scans = scans or ListenerScans(proc)
         self._known: dict[int, tuple[float, frozenset[int]]] = {}  # port -> (when, pids)
 
     def of(self, url: str) -> frozenset[int] | None:
