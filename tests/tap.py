@@ -1,6 +1,8 @@
 """A TCP relay in front of a real server that acts when the server's answer reaches a
 given point: a client behind the proxy cannot count the chunks of a tool call (the proxy
-sends a call whole), so the cut inside one is landed here, on the server's own bytes."""
+sends a call whole), so the cut inside one is landed here, on the server's own bytes.
+It can also hold the proxy's requests of one kind: a server that hangs on one question,
+which no real server does on demand."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ class Tap:
         self._seen = bytearray()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
+        self.held = 0  # requests held since `hold`
+        self._holding: bytes | None = None
+        self._closed = threading.Event()
 
     def arm(
         self, when: Callable[[bytes], bool], act: Callable[[], None], dies: bool = False
@@ -35,6 +40,13 @@ class Tap:
         with self._lock:
             self._seen.clear()
             self._armed = (when, act, dies)
+
+    def hold(self, start: bytes) -> None:
+        """From now on, each request that begins with `start` waits at the tap (counted
+        in `held`) until the tap closes: never answered."""
+        with self._lock:
+            self.held = 0
+            self._holding = start
 
     @property
     def seen(self) -> bytes:
@@ -58,10 +70,13 @@ class Tap:
 
     def close(self) -> None:
         self._listener.close()
+        self._closed.set()
 
     def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
         try:
             while data := source.recv(65536):
+                if not answers:
+                    self._asked(data)
                 cut = self._watch(data) if answers else None
                 sink.sendall(data if cut is None else data[:cut])
                 if cut is not None:
@@ -74,6 +89,14 @@ class Tap:
             # seen, until it closes in turn.
             with suppress(OSError):
                 sink.shutdown(socket.SHUT_WR)
+
+    def _asked(self, data: bytes) -> None:
+        """Hold what the proxy sent here while it is a request to hold."""
+        with self._lock:
+            if self._holding is None or not data.startswith(self._holding):
+                return
+            self.held += 1
+        self._closed.wait()
 
     def _watch(self, data: bytes) -> int | None:
         """Where to cut `data` (a server that dies), or None to forward it all."""

@@ -140,8 +140,11 @@ class ServerDirectory(PromptQuestions):
             if info.tokenizer is not None:
                 questions.append(self._ask(upstream, *tokenizer_probe(info)))
             props, models, *probe = await asyncio.gather(*questions, return_exceptions=True)
-            if isinstance(props, (httpx.HTTPError, ValueError)):
+            if isinstance(props, (httpx.HTTPStatusError, ValueError)):
                 props = None  # as when it was learnt: an engine without /props
+            # (Unanswered, it is not one without: a timeout raises below, and the server
+            # stays as it was known. Taken as changed, it was learnt again at once, and
+            # the pause waited on the same unanswered question twice.)
             for answer in (props, models):
                 if isinstance(answer, BaseException):
                     raise answer
