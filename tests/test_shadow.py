@@ -344,3 +344,39 @@ def test_a_shadowed_continuation_sent_beside_its_recheck_is_dropped_where_the_se
         assert stream.segments[1] == own
     finally:
         restarted.stop()
+
+
+def test_a_declined_handoff_leaves_the_shadow_going_on(start_server, start_proxy) -> None:
+    """No shadow update starts while a handoff is decided. Here the decision declines (the
+    fallback's slot is too small for the rest of the answer, which only counting its
+    continuation shows): the answer stays whole on the primary, and the shadow goes on
+    keeping up with it."""
+    primary = start_server("primary", ctx_size=16384, slots=2, extra_args=SAME_BATCHES)
+    # 3,400 tokens a slot: the prompt (about 2,900 with its template on this model) and
+    # the answer so far fit, the rest of a 1,100-token answer does not.
+    fallback = start_server("primary", ctx_size=6800, slots=2, extra_args=SAME_BATCHES)
+    plain = start_proxy(primary.url, [fallback.url], options=["spillover_shadow=off"])
+    proxy = start_proxy(
+        primary.url, [fallback.url], options=["spillover_shadow=always", *NO_STALLS]
+    )
+    for each in (plain, proxy):
+        wait_until_known(each, [primary.url, fallback.url])
+    expected = read_stream(plain.url, long_body(1100)).text
+    seen: dict[str, dict] = {}
+
+    def on_chunk(n: int) -> None:
+        if n == CUT:
+            with held(primary):
+                seen["before"] = wait_for_shadow(proxy, live(proxy)[0]["tokens"])
+                assert handoff(proxy, reason="test") == 0
+        if n == CUT + 200:
+            with held(primary):
+                seen["after"] = wait_for_shadow(proxy, live(proxy)[0]["tokens"], timeout=20)
+
+    stream = read_stream(proxy.url, long_body(1100), on_chunk=on_chunk)
+    assert_one_clean_stream(stream)
+    assert stream.notes == [] and stream.text == expected
+    (declined,) = CONTROL.get(f"{proxy.url}/spillover/status").json()["declined_handoffs"]["recent"]
+    assert "tokens per slot, the rest of this answer needs" in declined["why"], declined
+    assert seen["after"]["updates"] > seen["before"]["updates"]
+    assert seen["after"]["covered_tokens"] > CUT + 150
