@@ -65,6 +65,14 @@ def read_stream(
     return stream
 
 
+def recorded_stream(body: bytes) -> RawStream:
+    """A stream's body as a recording kept it, read as `read_stream` reads one live."""
+    stream = RawStream()
+    for line in body.decode().splitlines():
+        record(stream, line)
+    return stream
+
+
 def record(stream: RawStream, line: str) -> None:
     if line.startswith(":"):
         stream.notes.append(line)

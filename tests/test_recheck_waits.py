@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from scripts.testbed.replay import leg_flows, read_flows
-from tests.streams import RawStream, assert_one_clean_stream, read_stream
+from tests.streams import RawStream, assert_one_clean_stream, read_stream, recorded_stream
 from tests.tap import Tap, tapped
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
 from tests.test_shadow import ANSWER, CUT, NO_STALLS, live, long_body, wait_for_shadow
@@ -58,16 +58,7 @@ def test_a_server_hanging_on_the_rechecks_question_is_waited_on_once(
     said = {"role": "assistant", "content": stream.segments[0]}
     assert body["messages"] == [*long_body()["messages"], said]
     assert body["max_tokens"] == ANSWER - stream.segment_tokens[0]
-    assert stream.segments[1] == streamed_text(rebuilt.response.content or b"")
-
-
-def streamed_text(sse: bytes) -> str:
-    """The text a chat stream's events carry, as its server wrote them."""
-    chunks = [
-        json.loads(line[6:]) for line in sse.decode().splitlines()
-        if line.startswith("data: {")
-    ]  # fmt: skip
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert stream.segments[1] == recorded_stream(rebuilt.response.content or b"").text
 
 
 def handed_off_with_props_held(proxy, primary, tap: Tap) -> tuple[RawStream, float]:

@@ -34,6 +34,7 @@ from tests.streams import (
     direct_text,
     read_stream,
     record,
+    recorded_stream,
     solo_steps,
 )
 
@@ -579,10 +580,7 @@ def test_recording_keeps_the_stitched_answer(
     ] == ["handed off", "complete"]
     assert first.request.port == primary.port and second.request.port == fallback.port
     assert all(fl.metadata["spillover_exchange"]["answer"] == flow.id for fl in legs.values())
-    said = RawStream()
-    for line in first.response.content.decode().splitlines():
-        if line:
-            record(said, line)
+    said = recorded_stream(first.response.content)
     assert said.text.startswith(stream.segments[0])  # the cut leg holds what went out of it
     # The questions the addon asked the servers at start are flows too.
     asked = {
@@ -601,10 +599,7 @@ def test_recording_keeps_the_stitched_answer(
     assert record_["source"] == primary.url and record_["target"] == fallback.url
     assert record_["at_token"] == stream.segment_tokens[0]
     assert record_["pause_ms"] > 0
-    recorded = RawStream()
-    for line in flow.response.content.decode().splitlines():
-        if line:
-            record(recorded, line)
+    recorded = recorded_stream(flow.response.content)
     assert recorded.segments == stream.segments and recorded.done == 1
 
 
