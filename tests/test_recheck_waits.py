@@ -13,11 +13,10 @@ from pathlib import Path
 import httpx
 
 from scripts.testbed.replay import leg_flows, read_flows
-from tests.streams import RawStream, assert_one_clean_stream, read_stream, recorded_stream
-from tests.tap import Tap, tapped
+from tests.streams import recorded_stream
+from tests.tap import tapped
 from tests.test_exact_replay import SAME_BATCHES, wait_until_known
-from tests.test_shadow import ANSWER, CUT, NO_STALLS, live, long_body, wait_for_shadow
-from tests.test_splice import handoff, held
+from tests.test_shadow import ANSWER, NO_STALLS, cut_while_held, long_body
 
 CONTROL = httpx.Client(timeout=10)
 
@@ -38,8 +37,15 @@ def test_a_server_hanging_on_the_rechecks_question_is_waited_on_once(
         options = [f"save_stream_file={flows}", "spillover_shadow=always", *NO_STALLS]
         proxy = start_proxy(primary.url, [tap.url], options=options)
         wait_until_known(proxy, [primary.url, tap.url])
-        stream, asked_from = handed_off_with_props_held(proxy, primary, tap)
+        asked_from: list[float] = []
+
+        def hold_props() -> None:
+            tap.hold(b"GET /props")
+            asked_from.append(time.time())
+
+        stream = cut_while_held(proxy, primary, True, before=hold_props, replayed="text")
         proxy.stop()  # the recording is whole
+    assert stream.notes[0].endswith("replayed as text")
     # Asked once: one question in the proxy's record. (The tap may have held it twice: a
     # kept connection the server closed, idle, while the tap held the question on it, is
     # asked on once more, on a new one.)
@@ -47,7 +53,7 @@ def test_a_server_hanging_on_the_rechecks_question_is_waited_on_once(
         flow for flow in read_flows(flows)
         if flow.metadata.get("spillover_exchange", {}).get("purpose") == "question"
         and flow.request.port == tap.port and flow.request.path == "/props"
-        and flow.request.timestamp_start >= asked_from
+        and flow.request.timestamp_start >= asked_from[0]
     ]  # fmt: skip
     assert len(props) == 1 and tap.held >= 1
     *_, dropped, rebuilt = leg_flows(flows, tap.port)
@@ -59,22 +65,3 @@ def test_a_server_hanging_on_the_rechecks_question_is_waited_on_once(
     assert body["messages"] == [*long_body()["messages"], said]
     assert body["max_tokens"] == ANSWER - stream.segment_tokens[0]
     assert stream.segments[1] == recorded_stream(rebuilt.response.content or b"").text
-
-
-def handed_off_with_props_held(proxy, primary, tap: Tap) -> tuple[RawStream, float]:
-    """The long answer, handed off once the shadow has caught up, `/props` held from then
-    on; and when that was."""
-    asked_from: list[float] = []
-
-    def on_chunk(n: int) -> None:
-        if n == CUT:
-            with held(primary):
-                wait_for_shadow(proxy, live(proxy)[0]["tokens"])
-                tap.hold(b"GET /props")
-                asked_from.append(time.time())
-                handoff(proxy, reason="test")
-
-    stream = read_stream(proxy.url, long_body(), on_chunk=on_chunk)
-    assert_one_clean_stream(stream)
-    assert len(stream.notes) == 1 and stream.notes[0].endswith("replayed as text")
-    return stream, asked_from[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -63,20 +64,28 @@ def last_timings(stream: RawStream) -> dict:
     return next(c["timings"] for c in reversed(stream.chunks) if "timings" in c)
 
 
-def cut_while_held(proxy: Mitmdump, primary, shadowed: bool) -> RawStream:
+def cut_while_held(
+    proxy: Mitmdump,
+    primary,
+    shadowed: bool,
+    before: Callable[[], None] = lambda: None,
+    replayed: str = "token ids",
+) -> RawStream:
     """Stream the long answer; after CUT chunks hold the primary, (with a shadow: wait
-    until it has caught up), hand off, release."""
+    until it has caught up), call `before`, hand off, release. The answer is `replayed`
+    so, its note says."""
 
     def on_chunk(n: int) -> None:
         if n == CUT:
             with held(primary):
                 if shadowed:
                     wait_for_shadow(proxy, live(proxy)[0]["tokens"])
+                before()
                 handoff(proxy, reason="test")
 
     stream = read_stream(proxy.url, long_body(), on_chunk=on_chunk)
     assert_one_clean_stream(stream)
-    assert len(stream.notes) == 1 and "replayed as token ids" in stream.notes[0]
+    assert len(stream.notes) == 1 and f"replayed as {replayed}" in stream.notes[0]
     return stream
 
 
